@@ -1,0 +1,24 @@
+# The two commands of the README:
+#   make run   — set up (venv, llama-server, demo model) and run the gateway on gateway.yaml
+#   make test  — set up and run the whole test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+
+.PHONY: run test setup bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+	$(BIN)/llama-gateway install-llama-server
+	$(BIN)/llama-gateway demo-model
+
+run: setup
+	$(BIN)/llama-gateway serve -c gateway.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q -rs

@@ -1,0 +1,113 @@
+"""The live wrapper around the pure dispatcher: asyncio futures for queued requests.
+
+``Admission.slot(ticket)`` is the only way a request gets a worker::
+
+    async with admission.slot(ticket) as lease:
+        ...  # talk to lease.worker
+
+The lease is released in ``finally`` whatever happens (success, error, client disconnect,
+cancellation), and each release hands freed slots to waiting requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import AsyncIterator, Callable
+
+from gateway.logs import get_logger
+from gateway.scheduling import Dispatcher, QueueFull, SlotLease, Ticket
+
+log = get_logger("gateway.admission")
+
+
+class QueueTimeout(Exception):
+    """A queued request waited longer than its queue timeout (answered 503)."""
+
+
+class Admission:
+    """Owns the dispatcher inside the event loop.
+
+    Args:
+        dispatcher: the pure scheduler (its clock should be ``time.monotonic``).
+        expire_interval_s: how often queued tickets are checked against their timeout.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, expire_interval_s: float = 0.25):
+        self.dispatcher = dispatcher
+        self.expire_interval_s = expire_interval_s
+        self._waiters: dict[Ticket, asyncio.Future] = {}
+        self._expiry_task: asyncio.Task | None = None
+        self.listeners: list[Callable[[], None]] = []
+
+    # ---- fleet events ----------------------------------------------------------------------
+    def worker_ready(self, worker_id: str, ready: bool) -> None:
+        self._deliver(self.dispatcher.set_ready(worker_id, ready))
+
+    def worker_draining(self, worker_id: str, draining: bool) -> None:
+        self._deliver(self.dispatcher.set_draining(worker_id, draining))
+
+    def worker_slots(self, worker_id: str, slots: int) -> None:
+        self._deliver(self.dispatcher.set_slots(worker_id, slots))
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def acquire(self, ticket: Ticket) -> SlotLease:
+        """Wait for a slot. Raises ``QueueFull`` at once, ``QueueTimeout`` after the ticket's
+        queue timeout; on cancellation the ticket leaves the queue immediately."""
+        lease = self.dispatcher.submit(ticket)
+        if lease is not None:
+            return lease
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = fut
+        self._ensure_expiry()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not self.dispatcher.cancel(ticket) and fut.done() and not fut.cancelled() \
+                    and fut.exception() is None:
+                # Dispatched in the same tick the client left: give the slot back.
+                self.release(fut.result())
+            raise
+        finally:
+            self._waiters.pop(ticket, None)
+
+    def release(self, lease: SlotLease) -> None:
+        self._deliver(lease.release())
+
+    @contextlib.asynccontextmanager
+    async def slot(self, ticket: Ticket) -> AsyncIterator[SlotLease]:
+        lease = await self.acquire(ticket)
+        try:
+            yield lease
+        finally:
+            self.release(lease)
+
+    def _deliver(self, dispatches) -> None:
+        for ticket, lease in dispatches:
+            fut = self._waiters.get(ticket)
+            if fut is not None and not fut.done():
+                fut.set_result(lease)
+            else:  # its waiter is gone: free the slot again (may dispatch others)
+                self._deliver(lease.release())
+        for cb in self.listeners:
+            cb()
+
+    def _ensure_expiry(self) -> None:
+        if self._expiry_task is None or self._expiry_task.done():
+            self._expiry_task = asyncio.get_running_loop().create_task(self._expire_loop())
+
+    async def _expire_loop(self) -> None:
+        while self._waiters:
+            await asyncio.sleep(self.expire_interval_s)
+            for t in self.dispatcher.expire():
+                fut = self._waiters.get(t)
+                if fut is not None and not fut.done():
+                    fut.set_exception(QueueTimeout(t.request_id))
+
+    def close(self) -> None:
+        if self._expiry_task:
+            self._expiry_task.cancel()
+
+
+__all__ = ["Admission", "QueueFull", "QueueTimeout"]

@@ -1,0 +1,1 @@
+"""HTTP APIs: Ollama (``/api/*``, ``/``) and OpenAI-compatible (``/v1/*``)."""

@@ -1,0 +1,59 @@
+"""Request plumbing shared by the API modules: body parsing, tickets, request ids."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import orjson
+from aiohttp import web
+
+from gateway.api.errors import ApiError
+from gateway.scheduling import Ticket
+
+STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
+
+
+async def read_json(request: web.Request) -> dict:
+    """The JSON object body. Raises ApiError(400): ``missing request body`` (empty body, as
+    Ollama), ``invalid JSON: …``, or ``request body must be a JSON object``. A JSON ``null``
+    gives ``{}`` (Ollama treats it as an empty request)."""
+    raw = await request.read()
+    if not raw.strip():
+        raise ApiError(400, "missing request body")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"invalid JSON: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return data
+
+
+def request_id(request: web.Request) -> str:
+    rid = request.get("request_id")
+    if rid is None:
+        rid = request.headers.get("X-Request-ID") or uuid.uuid4().hex
+        request["request_id"] = rid
+    return rid
+
+
+def make_ticket(request: web.Request, model: str, default_priority: int,
+                queue_timeout_s: float, est_tokens: int = 0) -> Ticket:
+    """A ticket for this request. ``X-Priority`` (integer) overrides the model's default class."""
+    prio = default_priority
+    hdr = request.headers.get("X-Priority")
+    if hdr is not None:
+        try:
+            prio = int(hdr)
+        except ValueError:
+            raise ApiError(400, f"X-Priority must be an integer, got {hdr!r}") from None
+    return Ticket(request_id=request_id(request), model=model, priority=prio,
+                  est_tokens=est_tokens, queue_timeout_s=queue_timeout_s)
+
+
+def t0_ns(request: web.Request) -> int:
+    """Monotonic ns when the gateway received the request (set by middleware)."""
+    return request.get("t0_ns") or time.monotonic_ns()

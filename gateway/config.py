@@ -1,0 +1,938 @@
+"""Gateway configuration: YAML -> validated, frozen, typed settings (pydantic v2).
+
+Entry points:
+
+* :func:`load_config` reads a YAML file, :func:`parse_config` validates already-parsed data.
+  Both return a frozen :class:`GatewayConfig` or raise :class:`ConfigError`, whose ``errors``
+  name the key path, what was expected and what was got, e.g.::
+
+      models[0].slots: expected a positive integer, got "four"
+      models[0].slotz: unknown key (did you mean "slots"?)
+
+* :func:`plan_workers` turns a config plus the detected GPU indices into one
+  :class:`WorkerPlan` per llama-server process.
+* :func:`diff_plans` compares two plans (for hot reload).
+
+Units are in the key names: ``*_s`` are seconds, ``context`` is tokens per slot.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.functional_validators import PlainValidator
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "ConfigError",
+    "GatewayConfig",
+    "GenerationConfig",
+    "LlamaServerConfig",
+    "LogConfig",
+    "ModelConfig",
+    "PlanDiff",
+    "QueueConfig",
+    "TimeoutsConfig",
+    "WorkerPlan",
+    "diff_plans",
+    "load_config",
+    "normalize_model_name",
+    "parse_config",
+    "plan_workers",
+]
+
+#: Models the gateway can provide itself, addressed as ``path: "builtin:<name>"``.
+BUILTIN_MODELS: tuple[str, ...] = ("demo",)
+
+
+# --------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------
+
+
+class ConfigError(Exception):
+    """Invalid or unreadable configuration.
+
+    Attributes:
+        errors: one line per problem, each ``"<key path>: <what is wrong>"``
+            (e.g. ``models[0].slots: expected a positive integer, got "four"``); problems that
+            concern the whole file (missing file, YAML syntax) have no key path.
+        source: the file name (or ``"<config>"``) that ``str(e)`` prefixes to every line.
+    """
+
+    def __init__(self, errors: list[str] | str, source: str = "<config>") -> None:
+        self.errors: list[str] = [errors] if isinstance(errors, str) else list(errors)
+        self.source: str = str(source)
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return "\n".join(f"{self.source}: {err}" for err in self.errors)
+
+
+Loc = tuple[Union[str, int], ...]
+
+
+class _Invalid(ValueError):
+    """Raised by our validators; carries (relative key path, message) pairs.
+
+    Pydantic wraps a ValueError into a ``value_error`` whose ``ctx["error"]`` is this object,
+    which lets the translator emit our exact messages at the right key paths.
+    """
+
+    def __init__(self, *items: tuple[Loc, str]) -> None:
+        self.items: list[tuple[Loc, str]] = list(items)
+        super().__init__("; ".join(msg for _, msg in self.items))
+
+
+def _fail(msg: str, *loc: str | int) -> None:
+    raise _Invalid((tuple(loc), msg))
+
+
+def _got(value: object) -> str:
+    """Render a received value JSON-style (strings quoted, None as null), shortened."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return text
+
+
+def _path(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _line(loc: Loc, msg: str) -> str:
+    where = _path(loc)
+    return f"{where}: {msg}" if where else msg
+
+
+# --------------------------------------------------------------------------------------
+# Value validators (plain: we do all checking, strictly — bool is never an int)
+# --------------------------------------------------------------------------------------
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _v_pos_int(v: object) -> int:
+    if _is_int(v) and v > 0:
+        return v
+    raise _Invalid(((), f"expected a positive integer, got {_got(v)}"))
+
+
+def _v_opt_pos_int(v: object) -> int | None:
+    if v is None or (_is_int(v) and v > 0):
+        return v
+    raise _Invalid(((), f"expected a positive integer or null, got {_got(v)}"))
+
+
+def _v_nonneg_int(v: object) -> int:
+    if _is_int(v) and v >= 0:
+        return v
+    raise _Invalid(((), f"expected a non-negative integer, got {_got(v)}"))
+
+
+def _v_int(v: object) -> int:
+    if _is_int(v):
+        return v
+    raise _Invalid(((), f"expected an integer, got {_got(v)}"))
+
+
+def _v_num_predict(v: object) -> int:
+    if _is_int(v) and v >= -2:
+        return v
+    raise _Invalid(
+        ((), f"expected an integer >= -2 (-1 = until end of text, -2 = fill the context), got {_got(v)}")
+    )
+
+
+def _v_pos_float(v: object) -> float:
+    if _is_number(v) and v > 0:
+        return float(v)
+    raise _Invalid(((), f"expected a positive number, got {_got(v)}"))
+
+
+def _v_bool(v: object) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise _Invalid(((), f"expected true or false, got {_got(v)}"))
+
+
+def _v_opt_str(v: object) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, str) and v.strip():
+        return os.path.expanduser(v)
+    raise _Invalid(((), f"expected a non-empty string or null, got {_got(v)}"))
+
+
+def _v_str_list(v: object) -> list[str]:
+    """A list of strings; numbers are accepted and converted (``[-c, 4096]`` in YAML)."""
+    if not isinstance(v, (list, tuple)):
+        raise _Invalid(((), f"expected a list of strings, got {_got(v)}"))
+    out: list[str] = []
+    errs: list[tuple[Loc, str]] = []
+    for i, item in enumerate(v):
+        if isinstance(item, str):
+            out.append(item)
+        elif _is_number(item):
+            out.append(str(item))
+        else:
+            errs.append(((i,), f"expected a string, got {_got(item)}"))
+    if errs:
+        raise _Invalid(*errs)
+    return out
+
+
+def _choice(*choices: str):
+    options = ", ".join(f'"{c}"' for c in choices)
+
+    def check(v: object) -> str:
+        if isinstance(v, str) and v in choices:
+            return v
+        raise _Invalid(((), f"expected one of {options}, got {_got(v)}"))
+
+    return check
+
+
+_LISTEN_V6 = re.compile(r"\[([0-9A-Fa-f:.]+(?:%[A-Za-z0-9_.-]+)?)\]:(\d{1,5})")
+_LISTEN_HOST = re.compile(r"([A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):(\d{1,5})")
+
+
+def _split_listen(v: object) -> tuple[str, int] | None:
+    if not isinstance(v, str):
+        return None
+    m = _LISTEN_V6.fullmatch(v)
+    if m:
+        import ipaddress
+
+        try:
+            ipaddress.IPv6Address(m.group(1).split("%", 1)[0])
+        except ValueError:
+            return None
+    else:
+        m = _LISTEN_HOST.fullmatch(v)
+        if not m:
+            return None
+    return m.group(1), int(m.group(2))
+
+
+def _v_listen(v: object) -> str:
+    parts = _split_listen(v)
+    if parts is None:
+        raise _Invalid(((), f'expected "host:port", got {_got(v)}'))
+    if not 0 <= parts[1] <= 65535:
+        raise _Invalid(((), f'expected "host:port" with a port from 0 to 65535, got {_got(v)}'))
+    return v  # type: ignore[return-value]
+
+
+_NAME_SEG = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_NAME_RE = re.compile(rf"{_NAME_SEG}(?:/{_NAME_SEG})*(?::[A-Za-z0-9_][A-Za-z0-9._-]{{0,127}})?")
+_NAME_HINT = 'a model name like "demo", "demo:latest" or "ns/demo:7b"'
+
+
+def normalize_model_name(name: str) -> str:
+    """Canonical lookup key of an Ollama model name: ``":latest"`` appended when untagged,
+    lower-cased ("Demo" -> "demo:latest"). Names are compared by this key."""
+    return _full_name(name).lower()
+
+
+def _full_name(name: str) -> str:
+    last = name.rsplit("/", 1)[-1]
+    return name if ":" in last else f"{name}:latest"
+
+
+def _v_name(v: object) -> str:
+    if isinstance(v, str) and len(v) <= 256 and _NAME_RE.fullmatch(v):
+        return v
+    raise _Invalid(((), f"expected {_NAME_HINT}, got {_got(v)}"))
+
+
+def _v_aliases(v: object) -> list[str]:
+    if not isinstance(v, (list, tuple)):
+        raise _Invalid(((), f"expected a list of model names, got {_got(v)}"))
+    errs: list[tuple[Loc, str]] = []
+    for i, item in enumerate(v):
+        if not (isinstance(item, str) and _NAME_RE.fullmatch(item)):
+            errs.append(((i,), f"expected {_NAME_HINT}, got {_got(item)}"))
+    if errs:
+        raise _Invalid(*errs)
+    return list(v)
+
+
+_GPUS_HINT = '"auto", a list of GPU indices like [0, 1] or a list of groups like [[0, 1], [2, 3]]'
+
+
+def _v_gpus(v: object) -> Union[Literal["auto"], list[int], list[list[int]]]:
+    """``"auto"`` | list of GPU indices | list of groups (lists) of GPU indices.
+
+    A plain index and a group may be mixed (``[[0, 1], 2]``). Every GPU index may appear
+    only once per model (a GPU cannot serve two workers of the same model).
+    """
+    if v == "auto" and isinstance(v, str):
+        return "auto"
+    if not isinstance(v, (list, tuple)):
+        raise _Invalid(((), f"expected {_GPUS_HINT}, got {_got(v)}"))
+    if not v:
+        raise _Invalid(((), f"expected {_GPUS_HINT}, got []"))
+    errs: list[tuple[Loc, str]] = []
+    seen: dict[int, str] = {}
+    out: list[Any] = []
+
+    def index(g: object, loc: Loc) -> bool:
+        if not (_is_int(g) and g >= 0):
+            errs.append((loc, f"expected a GPU index (a non-negative integer), got {_got(g)}"))
+            return False
+        if g in seen:
+            errs.append((loc, f"GPU {g} is already used by {seen[g]} (a GPU can serve only one worker per model)"))
+            return False
+        seen[g] = "gpus" + "".join(f"[{p}]" for p in loc)
+        return True
+
+    for i, item in enumerate(v):
+        if isinstance(item, (list, tuple)):
+            if not item:
+                errs.append(((i,), "expected a non-empty group of GPU indices, got []"))
+                continue
+            for j, g in enumerate(item):
+                index(g, (i, j))
+            out.append(list(item))
+        else:
+            index(item, (i,))
+            out.append(item)
+    if errs:
+        raise _Invalid(*errs)
+    return out
+
+
+def _v_slots_per_gpu(v: object) -> dict[int, int]:
+    if not isinstance(v, dict):
+        raise _Invalid(((), f"expected a mapping of GPU index to slot count like {{0: 8, 1: 4}}, got {_got(v)}"))
+    out: dict[int, int] = {}
+    errs: list[tuple[Loc, str]] = []
+    for key, val in v.items():
+        k = key
+        if isinstance(k, str) and k.isdigit():  # JSON-style string keys
+            k = int(k)
+        if not (_is_int(k) and k >= 0):
+            errs.append(((), f"expected GPU indices (non-negative integers) as keys, got {_got(key)}"))
+            continue
+        if not (_is_int(val) and val > 0):
+            errs.append(((k,), f"expected a positive integer, got {_got(val)}"))
+            continue
+        out[k] = val
+    if errs:
+        raise _Invalid(*errs)
+    return out
+
+
+PositiveInt = Annotated[int, PlainValidator(_v_pos_int)]
+OptPositiveInt = Annotated[Union[int, None], PlainValidator(_v_opt_pos_int)]
+NonNegInt = Annotated[int, PlainValidator(_v_nonneg_int)]
+StrictInt = Annotated[int, PlainValidator(_v_int)]
+PositiveFloat = Annotated[float, PlainValidator(_v_pos_float)]
+StrictBool = Annotated[bool, PlainValidator(_v_bool)]
+StrList = Annotated[list[str], PlainValidator(_v_str_list)]
+
+
+# --------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------
+
+
+class _Section(BaseModel):
+    """Base: frozen, unknown keys rejected, input must be a mapping with string keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_mapping(cls, data: Any) -> Any:
+        if isinstance(data, BaseModel):
+            return data
+        if not isinstance(data, dict):
+            raise _Invalid(((), f"expected a mapping, got {_got(data)}"))
+        for key in data:
+            if not isinstance(key, str):
+                raise _Invalid(((), f"expected keys that are strings, got {_got(key)}"))
+        return data
+
+
+class LlamaServerConfig(_Section):
+    """How llama-server processes are found and launched (``llama_server:``)."""
+
+    binary: Annotated[Union[str, None], PlainValidator(_v_opt_str)] = None
+    """Path to llama-server (``~`` expanded); None: ``$LLAMA_SERVER``, then PATH, then the cached build."""
+    backend: Annotated[Literal["auto", "cpu", "cuda"], PlainValidator(_choice("auto", "cpu", "cuda"))] = "auto"
+    """Which llama-server build to use: "auto" (CUDA when a GPU is found), "cpu" or "cuda"."""
+    threads: OptPositiveInt = None
+    """``-t`` per CPU worker; None: the machine's cores split evenly among CPU workers."""
+    extra_args: StrList = Field(default_factory=list)
+    """Arguments appended to every worker's command line."""
+    startup_timeout_s: PositiveFloat = 180.0
+    """Seconds a worker may take from spawn to a healthy ``/health`` (model load)."""
+    health_interval_s: PositiveFloat = 0.25
+    """Seconds between health polls."""
+    restart_backoff_initial_s: PositiveFloat = 0.5
+    """First delay (s) before restarting a crashed worker; doubles per consecutive crash."""
+    restart_backoff_max_s: PositiveFloat = 30.0
+    """Upper bound (s) of the restart delay."""
+    stop_grace_s: PositiveFloat = 10.0
+    """Seconds between SIGTERM and SIGKILL when stopping a worker."""
+
+
+class QueueConfig(_Section):
+    """The gateway's wait queue in front of busy workers (``queue:``)."""
+
+    max_pending: NonNegInt = 512
+    """Requests allowed to wait for a free slot (Ollama's OLLAMA_MAX_QUEUE default); more get 503."""
+    timeout_s: PositiveFloat = 600.0
+    """Longest wait (s) in the gateway queue before answering 503."""
+    retry_after_s: PositiveInt = 2
+    """Seconds sent in the Retry-After header of 503 answers."""
+
+
+class TimeoutsConfig(_Section):
+    """Upstream time limits (``timeouts:``)."""
+
+    first_byte_s: PositiveFloat = 300.0
+    """Seconds allowed until a worker sends the first byte of its answer."""
+    request_s: PositiveFloat = 3600.0
+    """Deadline (s) of one whole request, queueing included."""
+
+
+class GenerationConfig(_Section):
+    """Generation defaults and limits (``generation:``)."""
+
+    num_predict_default: Annotated[int, PlainValidator(_v_num_predict)] = -1
+    """Tokens to generate when a request sets no num_predict; -1 = until end of text/context (as Ollama)."""
+    num_predict_max: OptPositiveInt = None
+    """Upper bound (tokens) for any request's num_predict; None = no bound."""
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> "GenerationConfig":
+        if self.num_predict_max is not None and self.num_predict_default > self.num_predict_max:
+            _fail(
+                f"must not exceed num_predict_max ({self.num_predict_max}), got {self.num_predict_default}",
+                "num_predict_default",
+            )
+        return self
+
+
+class LogConfig(_Section):
+    """Logging (``log:``)."""
+
+    level: Annotated[
+        Literal["debug", "info", "warning", "error"],
+        PlainValidator(_choice("debug", "info", "warning", "error")),
+    ] = "info"
+    format: Annotated[
+        Literal["auto", "json", "console"], PlainValidator(_choice("auto", "json", "console"))
+    ] = "auto"
+    """"auto": JSON lines unless stderr is a TTY."""
+
+
+class ModelConfig(_Section):
+    """One served model (an entry of ``models:``).
+
+    Raises (via :func:`parse_config`): bad names, a missing .gguf file, an unknown builtin,
+    bad GPU lists (a GPU in two groups), ``cpu`` given together with ``gpus``.
+    """
+
+    name: Annotated[str, PlainValidator(_v_name)]
+    """Ollama-style name: "demo", "demo:latest", "ns/demo:7b"."""
+    path: str
+    """"builtin:demo" or an absolute path to a .gguf (``~`` expanded, relative paths resolved
+    against the config file's directory); the file must exist."""
+    aliases: Annotated[list[str], PlainValidator(_v_aliases)] = Field(default_factory=list)
+    """Other names the model answers to."""
+    slots: PositiveInt = 4
+    """Parallel sequences per worker (llama-server ``-np``)."""
+    context: PositiveInt = 4096
+    """Context tokens per slot; the worker gets ``-c slots*context``."""
+    args: StrList = Field(default_factory=list)
+    """Extra llama-server arguments for this model's workers."""
+    embeddings: StrictBool = False
+    """Start the workers with ``--embeddings``."""
+    gpus: Annotated[
+        Union[Literal["auto"], list[int], list[list[int]]], PlainValidator(_v_gpus)
+    ] = "auto"
+    """"auto" (one worker per detected GPU), a list of GPU indices (one worker each) or a
+    list of groups (one worker per group, split across the group's GPUs)."""
+    cpu: OptPositiveInt = None
+    """Run N CPU-only workers instead (``CUDA_VISIBLE_DEVICES=""``); excludes ``gpus``."""
+    cpu_fallback: NonNegInt = 1
+    """CPU workers to start when ``gpus: auto`` finds no GPU (0: none)."""
+    slots_per_gpu: Annotated[dict[int, int], PlainValidator(_v_slots_per_gpu)] = Field(default_factory=dict)
+    """Per-GPU override of ``slots``; a group worker uses the entry of its first GPU."""
+    priority: StrictInt = 0
+    """Default priority class of this model's requests (higher is served first)."""
+
+    @field_validator("path", mode="plain")
+    @classmethod
+    def _check_path(cls, v: object, info: ValidationInfo) -> str:
+        if not (isinstance(v, str) and v.strip()):
+            raise _Invalid(((), f'expected a path to a .gguf file or "builtin:demo", got {_got(v)}'))
+        if v.startswith("builtin:"):
+            name = v[len("builtin:"):]
+            if name not in BUILTIN_MODELS:
+                avail = ", ".join(f'"builtin:{b}"' for b in BUILTIN_MODELS)
+                raise _Invalid(((), f"unknown builtin model {_got(name)} (available: {avail})"))
+            return v
+        p = os.path.expanduser(v)
+        base = (info.context or {}).get("base_dir") if info is not None else None
+        if not os.path.isabs(p):
+            p = os.path.join(base or os.getcwd(), p)
+        p = os.path.normpath(p)
+        if not os.path.exists(p):
+            raise _Invalid(((), f"file not found: {p}"))
+        if not os.path.isfile(p):
+            raise _Invalid(((), f"not a regular file: {p}"))
+        return p
+
+    @model_validator(mode="after")
+    def _cpu_xor_gpus(self) -> "ModelConfig":
+        if self.cpu is not None and "gpus" in self.model_fields_set:
+            _fail(
+                f"cannot be combined with gpus (set one or the other), got cpu: {self.cpu} "
+                f"and gpus: {_got(self.gpus)}",
+                "cpu",
+            )
+        return self
+
+    @property
+    def full_name(self) -> str:
+        """The name with ":latest" appended when it has no tag ("demo" -> "demo:latest")."""
+        return _full_name(self.name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Full names (``:latest`` appended when untagged) of the name and every alias."""
+        return (self.full_name, *(_full_name(a) for a in self.aliases))
+
+    @property
+    def is_builtin(self) -> bool:
+        """True for ``path: "builtin:..."`` (a model the gateway writes itself)."""
+        return self.path.startswith("builtin:")
+
+    @property
+    def builtin_name(self) -> str | None:
+        """"demo" for ``builtin:demo``; None for a file path."""
+        return self.path[len("builtin:"):] if self.is_builtin else None
+
+    @property
+    def gpu_groups(self) -> tuple[tuple[int, ...], ...] | None:
+        """Explicit GPUs as one tuple per worker (``[0, 1]`` -> ((0,), (1,))); None for "auto"."""
+        if self.gpus == "auto":
+            return None
+        return tuple(tuple(g) if isinstance(g, list) else (g,) for g in self.gpus)  # type: ignore[union-attr]
+
+    @property
+    def worker_base(self) -> str:
+        """Prefix of this model's worker ids: name without ":latest", other ':' -> '-', '/' -> '_'."""
+        full = self.full_name
+        if full.endswith(":latest"):
+            full = full[: -len(":latest")]
+        return full.replace(":", "-").replace("/", "_")
+
+
+_SECTIONS = ("llama_server", "queue", "timeouts", "generation", "log")
+
+
+class GatewayConfig(_Section):
+    """The whole gateway configuration (the YAML file's top level)."""
+
+    listen: Annotated[str, PlainValidator(_v_listen)] = "127.0.0.1:11434"
+    """Address of the Ollama API, "host:port"; IPv6 as "[::1]:11434"; port 0 = any free port."""
+    llama_server: LlamaServerConfig = Field(default_factory=LlamaServerConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    models: list[ModelConfig]
+
+    _source: str = PrivateAttr(default="<config>")
+
+    @field_validator(*_SECTIONS, mode="before")
+    @classmethod
+    def _empty_section(cls, v: Any) -> Any:
+        # "queue:" with every child commented out parses as null: use the defaults.
+        return {} if v is None else v
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_list(cls, v: Any) -> Any:
+        if not isinstance(v, (list, tuple)):
+            raise _Invalid(((), f"expected a list of models, got {_got(v)}"))
+        if not v:
+            raise _Invalid(((), "expected at least one model, got []"))
+        return v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "GatewayConfig":
+        errs: list[tuple[Loc, str]] = []
+        seen: dict[str, str] = {}
+        bases: dict[str, int] = {}
+        for i, m in enumerate(self.models):
+            entries: list[tuple[Loc, str]] = [(("models", i, "name"), m.name)]
+            entries += [(("models", i, "aliases", j), a) for j, a in enumerate(m.aliases)]
+            name_dup = False
+            for loc, name in entries:
+                key = normalize_model_name(name)
+                if key in seen:
+                    errs.append((loc, f"duplicate model name {_got(_full_name(name))} (already used by {seen[key]})"))
+                    name_dup = name_dup or loc[-1] == "name"
+                else:
+                    seen[key] = _path(loc)
+            base = m.worker_base.lower()
+            if name_dup:
+                pass
+            elif base in bases:
+                errs.append(
+                    (
+                        ("models", i, "name"),
+                        f"worker ids {_got(m.worker_base)} would clash with those of "
+                        f"models[{bases[base]}] ({_got(self.models[bases[base]].name)}); rename one",
+                    )
+                )
+            else:
+                bases[base] = i
+        if errs:
+            raise _Invalid(*errs)
+        return self
+
+    @property
+    def host(self) -> str:
+        """Host part of ``listen`` (IPv6 without brackets: "::1")."""
+        return _split_listen(self.listen)[0]  # type: ignore[index]
+
+    @property
+    def port(self) -> int:
+        """Port part of ``listen``."""
+        return _split_listen(self.listen)[1]  # type: ignore[index]
+
+    @property
+    def source(self) -> str:
+        """File name the config was loaded from ("<config>" when parsed from data)."""
+        return self._source
+
+    def find_model(self, name: str) -> ModelConfig | None:
+        """The model whose name or alias matches ``name`` (case-insensitive, ":latest" implied)."""
+        key = normalize_model_name(name)
+        for m in self.models:
+            if any(n.lower() == key for n in m.names):
+                return m
+        return None
+
+
+# --------------------------------------------------------------------------------------
+# ValidationError -> our messages
+# --------------------------------------------------------------------------------------
+
+_MISSING_HINT = {
+    "models": "a list of models",
+    "name": _NAME_HINT,
+    "path": 'a path to a .gguf file or "builtin:demo"',
+}
+
+
+def _fields_at(loc: Loc) -> list[str]:
+    """Valid keys of the mapping at ``loc`` (for unknown-key suggestions)."""
+    cls: type[BaseModel] | None
+    if not loc:
+        cls = GatewayConfig
+    elif loc[0] == "models" and len(loc) == 2:
+        cls = ModelConfig
+    elif len(loc) == 1 and loc[0] in _SECTIONS:
+        cls = GatewayConfig.model_fields[loc[0]].annotation  # type: ignore[assignment]
+    else:
+        cls = None
+    return list(cls.model_fields) if cls is not None else []
+
+
+def _translate(exc: ValidationError) -> list[str]:
+    out: list[str] = []
+    for err in exc.errors(include_url=False):
+        loc: Loc = tuple(err["loc"])
+        typ = err["type"]
+        ctx = err.get("ctx") or {}
+        inv = ctx.get("error")
+        if isinstance(inv, _Invalid):
+            out.extend(_line(loc + sub, msg) for sub, msg in inv.items)
+        elif typ == "extra_forbidden":
+            valid = _fields_at(loc[:-1])
+            match = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+            if match:
+                out.append(_line(loc, f'unknown key (did you mean "{match[0]}"?)'))
+            elif valid:
+                out.append(_line(loc, f"unknown key (expected one of: {', '.join(valid)})"))
+            else:
+                out.append(_line(loc, "unknown key"))
+        elif typ == "missing":
+            hint = _MISSING_HINT.get(str(loc[-1])) if loc else None
+            out.append(_line(loc, f"required key is missing (expected {hint})" if hint else "required key is missing"))
+        elif typ in ("model_type", "model_attributes_type", "dict_type"):
+            out.append(_line(loc, f"expected a mapping, got {_got(err.get('input'))}"))
+        else:  # not expected with our validators; keep pydantic's wording
+            msg = str(err.get("msg", "invalid value"))
+            out.append(_line(loc, f"{msg[0].lower()}{msg[1:]}, got {_got(err.get('input'))}"))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------
+
+
+def parse_config(data: object, source: str = "<config>", *, base_dir: str | os.PathLike | None = None) -> GatewayConfig:
+    """Validate already-parsed config data (e.g. from YAML) into a frozen :class:`GatewayConfig`.
+
+    Args:
+        data: the top-level mapping.
+        source: file name used to prefix error lines.
+        base_dir: directory relative model paths are resolved against (default: the CWD).
+
+    Raises:
+        ConfigError: with every problem found, one ``"<key path>: <message>"`` per entry.
+    """
+    ctx = {"base_dir": os.fspath(base_dir) if base_dir is not None else None}
+    try:
+        cfg = GatewayConfig.model_validate(data, context=ctx)
+    except ValidationError as exc:
+        raise ConfigError(_translate(exc), source) from None
+    cfg._source = str(source)
+    return cfg
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys in a mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:  # type: ignore[override]
+        if isinstance(node, yaml.MappingNode):
+            seen: set[object] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=False)
+                try:
+                    dup = key in seen
+                except TypeError:  # unhashable key; SafeLoader reports it itself
+                    continue
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"duplicate key {_got(key)}", key_node.start_mark,
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_config(path: str | os.PathLike) -> GatewayConfig:
+    """Read and validate a YAML config file.
+
+    Relative model paths are resolved against the file's directory.
+
+    Raises:
+        ConfigError: file missing/unreadable (``"file not found"``), YAML syntax errors
+            (``"line L, column C: invalid YAML: ..."``, duplicate keys included) and every
+            validation problem (see :func:`parse_config`); ``str(e)`` prefixes each with the
+            file name.
+    """
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise ConfigError("file not found", source) from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory, expected a YAML file", source) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", source) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror or exc}", source) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = exc.problem or exc.context or "syntax error"
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"{where}invalid YAML: {problem}", source) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}", source) from None
+    if data is None:
+        raise ConfigError("the file is empty, expected a mapping of settings with at least \"models\"", source)
+    return parse_config(data, source, base_dir=os.path.dirname(os.path.abspath(source)))
+
+
+# --------------------------------------------------------------------------------------
+# Worker planning
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One llama-server process to run.
+
+    Attributes:
+        id: stable worker id, e.g. "demo-gpu0", "demo-gpu0+1", "demo-cpu1".
+        model: the model's full name ("demo:latest").
+        gpus: GPU indices the worker uses; empty for a CPU worker.
+        slots: parallel sequences (``-np``).
+        context: context tokens per slot.
+    """
+
+    id: str
+    model: str
+    gpus: tuple[int, ...]
+    slots: int
+    context: int
+
+    @property
+    def total_context(self) -> int:
+        """Tokens of the worker's whole context (``-c``): slots * context."""
+        return self.slots * self.context
+
+    @property
+    def is_cpu(self) -> bool:
+        """True for a CPU-only worker (no GPU)."""
+        return not self.gpus
+
+
+def plan_workers(config: GatewayConfig, detected_gpus: list[int]) -> list[WorkerPlan]:
+    """Workers for every model, in config order.
+
+    * ``cpu: N`` -> N CPU workers ``<base>-cpu<i>``;
+    * ``gpus: auto`` -> one worker ``<base>-gpu<g>`` per detected GPU, or ``cpu_fallback``
+      CPU workers when ``detected_gpus`` is empty;
+    * explicit GPUs -> one worker per index / group (``<base>-gpu0+1`` for a group).
+
+    Slots come from ``slots_per_gpu[first GPU]`` when present, else ``slots``.
+
+    Raises:
+        ConfigError: explicit GPU indices that are not in ``detected_gpus``
+            (``models[0].gpus: GPU 3 not found (found: 0, 1)``), or explicit GPUs while no
+            GPU was detected.
+    """
+    detected = list(dict.fromkeys(detected_gpus))
+    found = set(detected)
+    plans: list[WorkerPlan] = []
+    errors: list[str] = []
+    for i, m in enumerate(config.models):
+        base = m.worker_base
+
+        def cpu_workers(n: int) -> list[WorkerPlan]:
+            return [WorkerPlan(f"{base}-cpu{k}", m.full_name, (), m.slots, m.context) for k in range(n)]
+
+        def gpu_worker(group: tuple[int, ...]) -> WorkerPlan:
+            wid = f"{base}-gpu" + "+".join(str(g) for g in group)
+            return WorkerPlan(wid, m.full_name, group, m.slots_per_gpu.get(group[0], m.slots), m.context)
+
+        groups = m.gpu_groups
+        if m.cpu is not None:
+            plans.extend(cpu_workers(m.cpu))
+        elif groups is None:
+            if detected:
+                plans.extend(gpu_worker((g,)) for g in detected)
+            else:
+                plans.extend(cpu_workers(m.cpu_fallback))
+        elif not detected:
+            errors.append(
+                f"models[{i}].gpus: no NVIDIA GPU detected, got gpus: {_got(m.gpus)} "
+                f"(use gpus: auto with cpu_fallback, or cpu: N, to run on CPU)"
+            )
+        else:
+            missing = sorted({g for grp in groups for g in grp} - found)
+            if missing:
+                what = f"GPU {missing[0]}" if len(missing) == 1 else "GPUs " + ", ".join(map(str, missing))
+                errors.append(f"models[{i}].gpus: {what} not found (found: {', '.join(map(str, detected))})")
+            else:
+                plans.extend(gpu_worker(grp) for grp in groups)
+    if errors:
+        raise ConfigError(errors, config.source)
+    return plans
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    """Result of :func:`diff_plans`; lists hold plans from ``new`` except ``removed`` (from ``old``)."""
+
+    added: list[WorkerPlan] = field(default_factory=list)
+    removed: list[WorkerPlan] = field(default_factory=list)
+    changed: list[WorkerPlan] = field(default_factory=list)
+    unchanged: list[WorkerPlan] = field(default_factory=list)
+
+    @property
+    def has_changes(self) -> bool:
+        """True when any worker must be started, stopped or restarted."""
+        return bool(self.added or self.removed or self.changed)
+
+
+def _fingerprint(plan: WorkerPlan, cfg: GatewayConfig | None) -> tuple:
+    m = cfg.find_model(plan.model) if cfg is not None else None
+    ls = cfg.llama_server if cfg is not None else None
+    model_part = (m.path, tuple(m.args), m.embeddings) if m is not None else None
+    server_part = (
+        (ls.binary, ls.backend, tuple(ls.extra_args), ls.threads if plan.is_cpu else None)
+        if ls is not None
+        else None
+    )
+    return (plan.model, plan.gpus, plan.slots, plan.context, model_part, server_part)
+
+
+def diff_plans(
+    old: list[WorkerPlan],
+    new: list[WorkerPlan],
+    old_cfg: GatewayConfig | None,
+    new_cfg: GatewayConfig | None,
+) -> PlanDiff:
+    """Compare worker plans by id (for hot reload).
+
+    A worker present in both is ``changed`` when its settings fingerprint differs: the plan
+    itself (model, GPUs, slots, context), the model's path/args/embeddings, and
+    ``llama_server.binary/backend/extra_args`` (and ``threads`` for CPU workers).
+    ``changed``/``unchanged``/``added`` hold the new plans in ``new`` order; ``removed`` holds
+    old plans in ``old`` order.
+    """
+    old_by_id = {p.id: p for p in old}
+    new_ids = {p.id for p in new}
+    diff = PlanDiff()
+    for p in new:
+        prev = old_by_id.get(p.id)
+        if prev is None:
+            diff.added.append(p)
+        elif _fingerprint(prev, old_cfg) != _fingerprint(p, new_cfg):
+            diff.changed.append(p)
+        else:
+            diff.unchanged.append(p)
+    diff.removed.extend(p for p in old if p.id not in new_ids)
+    return diff

@@ -1,0 +1,92 @@
+"""The fleet: one WorkerSupervisor per WorkerPlan, wired into admission.
+
+Readiness flows one way: supervisor → ``Admission.worker_ready`` → dispatcher. The scheduler
+never calls a worker; the upstream client asks ``endpoint_of`` for a ready worker's address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from gateway.admission import Admission
+from gateway.config import GatewayConfig, WorkerPlan
+from gateway.logs import get_logger
+from gateway.upstream import Endpoint
+from workers.process import LaunchSpec
+from workers.supervisor import WorkerSupervisor
+
+log = get_logger("gateway.fleet")
+
+
+class Fleet:
+    """Builds, starts and stops the workers of a config."""
+
+    def __init__(self, config: GatewayConfig, binary: Path, model_paths: dict[str, Path],
+                 admission: Admission, state_dir: Path):
+        self.config = config
+        self.binary = binary
+        self.model_paths = model_paths
+        self.admission = admission
+        self.state_dir = state_dir
+        self.supervisors: dict[str, WorkerSupervisor] = {}
+        self.plans: dict[str, WorkerPlan] = {}
+
+    def _threads(self, plans: list[WorkerPlan]) -> int | None:
+        ls = self.config.llama_server
+        if ls.threads:
+            return ls.threads
+        n_cpu = sum(1 for p in plans if p.is_cpu)
+        return max(1, (os.cpu_count() or 1) // max(1, n_cpu))
+
+    def build(self, plans: list[WorkerPlan]) -> None:
+        ls = self.config.llama_server
+        threads = self._threads(plans)
+        for plan in plans:
+            mcfg = next(m for m in self.config.models if m.full_name == plan.model)
+            spec = LaunchSpec(worker_id=plan.id, binary=self.binary,
+                              model_path=self.model_paths[plan.model], alias=plan.model,
+                              gpus=plan.gpus, slots=plan.slots, context_per_slot=plan.context,
+                              threads=threads if plan.is_cpu else None,
+                              embeddings=mcfg.embeddings,
+                              extra_args=list(ls.extra_args) + list(mcfg.args))
+            sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
+                                   startup_timeout_s=ls.startup_timeout_s,
+                                   backoff_initial_s=ls.restart_backoff_initial_s,
+                                   backoff_max_s=ls.restart_backoff_max_s,
+                                   stop_grace_s=ls.stop_grace_s,
+                                   health_interval_s=ls.health_interval_s,
+                                   state_dir=self.state_dir)
+            self.supervisors[plan.id] = sup
+            self.plans[plan.id] = plan
+            self.admission.dispatcher.add_worker(plan.id, plan.model, plan.slots)
+
+    def _on_ready(self, sup: WorkerSupervisor) -> None:
+        actual = getattr(sup, "actual_slots", sup.spec.slots)
+        self.admission.worker_slots(sup.id, actual)
+        self.admission.worker_ready(sup.id, True)
+
+    def _on_down(self, sup: WorkerSupervisor, reason: str) -> None:
+        log.warning("worker.down", worker=sup.id, reason=reason)
+        self.admission.worker_ready(sup.id, False)
+
+    def endpoint_of(self, worker_id: str) -> Endpoint | None:
+        sup = self.supervisors.get(worker_id)
+        if sup is None or sup.process is None or not sup.ready:
+            return None
+        return Endpoint(sup.process.url, sup.process.api_key)
+
+    def start(self) -> None:
+        for sup in self.supervisors.values():
+            sup.start()
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        res = await asyncio.gather(*(s.wait_ready(timeout) for s in self.supervisors.values()))
+        return all(res)
+
+    async def stop(self) -> None:
+        for sup in self.supervisors.values():
+            self.admission.dispatcher.workers[sup.id].ready = False
+        await asyncio.gather(*(s.stop() for s in self.supervisors.values()),
+                             return_exceptions=True)

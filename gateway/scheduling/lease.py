@@ -1,0 +1,49 @@
+"""SlotLease: one slot of one worker, held by one request, released exactly once."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from gateway.scheduling.ticket import Ticket
+    from gateway.scheduling.worker_view import WorkerView
+
+
+class SlotLease:
+    """A slot taken at dispatch, given back on ``release()`` or on leaving a ``with`` block.
+
+    Release is idempotent: the second call does nothing, so a ``finally`` and an explicit
+    release can both run. The ``on_release`` callback (the dispatcher's) runs once.
+    """
+
+    __slots__ = ("worker", "ticket", "granted_at", "_on_release", "_released")
+
+    def __init__(self, worker: "WorkerView", ticket: "Ticket", granted_at: float,
+                 on_release: Callable[["SlotLease"], object]):
+        self.worker = worker
+        self.ticket = ticket
+        self.granted_at = granted_at
+        self._on_release = on_release
+        self._released = False
+        worker.leases.add(self)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self):
+        """Give the slot back. Returns what the dispatcher's callback returns (new dispatches)."""
+        if self._released:
+            return []
+        self._released = True
+        self.worker.leases.discard(self)
+        return self._on_release(self)
+
+    def __enter__(self) -> "SlotLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"SlotLease({self.ticket.request_id}@{self.worker.id}{' released' if self._released else ''})"

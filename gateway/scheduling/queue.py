@@ -1,0 +1,70 @@
+"""The gateway's bounded admission queue: priority classes with aging, FIFO within a class."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from gateway.scheduling.ticket import Ticket
+
+
+class AdmissionQueue:
+    """Tickets waiting for a slot.
+
+    Order: highest *effective* priority first, where effective priority is
+    ``priority + waited_seconds / aging_s`` (so a ticket that waited ``aging_s`` seconds
+    ranks with the class above it and nothing starves), then admission order.
+
+    The bound is enforced by the dispatcher (``Dispatcher.submit``); this class only orders.
+    Sizes here are small (``queue.max_pending``, 512 by default), so selection is a scan.
+    """
+
+    def __init__(self, aging_s: float = 10.0):
+        self.aging_s = aging_s
+        self._items: dict[int, Ticket] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Ticket]:
+        return iter(list(self._items.values()))
+
+    def __contains__(self, ticket: Ticket) -> bool:
+        return self._items.get(ticket.seq) is ticket
+
+    def push(self, ticket: Ticket) -> None:
+        self._items[ticket.seq] = ticket
+
+    def remove(self, ticket: Ticket) -> bool:
+        """Remove ``ticket``; True if it was queued."""
+        if self._items.get(ticket.seq) is ticket:
+            del self._items[ticket.seq]
+            return True
+        return False
+
+    def effective_priority(self, ticket: Ticket, now: float) -> float:
+        return ticket.priority + max(0.0, now - ticket.enqueued_at) / self.aging_s
+
+    def ordered(self, now: float) -> list[Ticket]:
+        """Tickets best first."""
+        return sorted(self._items.values(),
+                      key=lambda t: (-self.effective_priority(t, now), t.seq))
+
+    def best(self, now: float, eligible: Callable[[Ticket], bool]) -> Ticket | None:
+        """The best ticket for which ``eligible(ticket)`` holds, or None."""
+        best_t, best_key = None, None
+        for t in self._items.values():
+            if not eligible(t):
+                continue
+            key = (-self.effective_priority(t, now), t.seq)
+            if best_key is None or key < best_key:
+                best_t, best_key = t, key
+        return best_t
+
+    def has_model(self, model: str) -> bool:
+        return any(t.model == model for t in self._items.values())
+
+    def depth_by_priority(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for t in self._items.values():
+            out[t.priority] = out.get(t.priority, 0) + 1
+        return out

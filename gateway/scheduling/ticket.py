@@ -1,0 +1,39 @@
+"""Admission ticket: what the scheduler knows about one request."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request waiting for, or holding, a slot.
+
+    Attributes:
+        request_id: the gateway's request id (``X-Request-ID`` or generated).
+        model: full model name (``demo:latest``) the request targets.
+        priority: class; higher dispatches first. Aging raises it while it waits.
+        est_tokens: the gateway's size estimate in tokens (prompt tokens + ``num_predict``), or 0 if unknown.
+        prefix_key: hash of the shared prompt prefix (system prompt / conversation head), or None.
+        enqueued_at: clock seconds when it was admitted (set by the dispatcher).
+        queue_timeout_s: longest wait in the queue, seconds; None = no limit.
+        seq: admission order, for FIFO within a priority class.
+    """
+
+    request_id: str
+    model: str
+    priority: int = 0
+    est_tokens: int = 0
+    prefix_key: int | None = None
+    queue_timeout_s: float | None = None
+    enqueued_at: float = 0.0
+    seq: int = field(default_factory=lambda: next(_seq))
+
+    def deadline(self) -> float | None:
+        """Clock seconds after which a still-queued ticket is expired, or None."""
+        if self.queue_timeout_s is None:
+            return None
+        return self.enqueued_at + self.queue_timeout_s

@@ -1,0 +1,163 @@
+"""Unit tests of the pure dispatcher: slot bound, queue bound, FIFO hand-off, cancel, expiry."""
+
+import pytest
+
+from gateway.scheduling import Dispatcher, QueueFull, Ticket
+
+
+class FakeClock:
+    """Injected clock (seconds); the only 'fake' here: the scheduler takes time as input."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def mk(n_workers=2, slots=2, max_pending=4, ready=True):
+    clock = FakeClock()
+    d = Dispatcher(clock, max_pending=max_pending)
+    for i in range(n_workers):
+        d.add_worker(f"w{i}", "demo:latest", slots)
+        if ready:
+            d.set_ready(f"w{i}", True)
+    return d, clock
+
+
+def t(i, model="demo:latest", **kw):
+    return Ticket(request_id=f"r{i}", model=model, **kw)
+
+
+def test_spreads_then_queues_then_rejects():
+    d, _ = mk()
+    leases = [d.submit(t(i)) for i in range(4)]
+    assert all(leases)
+    assert sorted(l.worker.id for l in leases) == ["w0", "w0", "w1", "w1"]
+    # spread 1-1 before 2-2
+    assert [l.worker.id for l in leases[:2]] == ["w0", "w1"]
+    queued = [d.submit(t(10 + i)) for i in range(4)]
+    assert queued == [None] * 4 and len(d.queue) == 4
+    with pytest.raises(QueueFull):
+        d.submit(t(99))
+    assert len(d.queue) == 4
+    assert all(w.busy == 2 for w in d.workers.values())
+
+
+def test_release_hands_slot_to_oldest_waiter():
+    d, clock = mk(max_pending=10)
+    leases = [d.submit(t(i)) for i in range(4)]
+    waiting = [t(10 + i) for i in range(3)]
+    for w in waiting:
+        clock.t += 0.001
+        assert d.submit(w) is None
+    freed = leases[3].worker
+    out = leases[3].release()
+    assert len(out) == 1
+    ticket, lease = out[0]
+    assert ticket is waiting[0] and lease.worker is freed
+    (t2, _l2), = lease.release()  # the next waiter follows in arrival order
+    assert t2 is waiting[1]
+    assert leases[3].release() == []  # idempotent
+
+
+def test_never_exceeds_slots_and_never_negative():
+    d, _ = mk(n_workers=1, slots=3, max_pending=100)
+    leases = []
+    for i in range(50):
+        l = d.submit(t(i))
+        if l:
+            leases.append(l)
+        w = d.workers["w0"]
+        assert 0 <= w.busy <= w.slots
+    assert len(leases) == 3
+    for l in leases:
+        for _t, nl in l.release():
+            leases.append(nl)
+        l.release()
+        assert 0 <= d.workers["w0"].busy <= 3
+
+
+def test_not_ready_and_draining_get_nothing():
+    d, _ = mk(ready=False, max_pending=10)
+    assert d.submit(t(1)) is None
+    assert d.workers["w0"].busy == 0
+    out = d.set_ready("w0", True)
+    assert len(out) == 1 and out[0][1].worker.id == "w0"
+    d.set_draining("w1", True)
+    d.set_ready("w1", True)
+    l2 = d.submit(t(2))
+    assert l2.worker.id == "w0"
+    assert d.submit(t(3)) is None  # w0 full, w1 draining
+    out = d.set_draining("w1", False)
+    assert out and out[0][1].worker.id == "w1"
+
+
+def test_cancel_removes_from_queue():
+    d, _ = mk(n_workers=1, slots=1)
+    d.submit(t(1))
+    q = t(2)
+    assert d.submit(q) is None
+    assert d.cancel(q) is True
+    assert len(d.queue) == 0
+    assert d.cancel(q) is False
+
+
+def test_expire_after_queue_timeout():
+    d, clock = mk(n_workers=1, slots=1)
+    d.submit(t(1))
+    q = t(2, queue_timeout_s=5)
+    d.submit(q)
+    clock.t = 4.9
+    assert d.expire() == []
+    clock.t = 5.0
+    assert d.expire() == [q]
+    assert len(d.queue) == 0
+
+
+def test_max_pending_zero_rejects_when_full():
+    d, _ = mk(n_workers=1, slots=1, max_pending=0)
+    assert d.submit(t(1))
+    with pytest.raises(QueueFull):
+        d.submit(t(2))
+
+
+def test_priority_first_and_aging():
+    d, clock = mk(n_workers=1, slots=1, max_pending=10)
+    held = d.submit(t(0))
+    low = t(1, priority=0)
+    d.submit(low)
+    clock.t = 1.0
+    high = t(2, priority=1)
+    d.submit(high)
+    (first, lease), = held.release()
+    assert first is high
+    # low has now waited; a fresh high-priority ticket arriving much later loses to it
+    clock.t = 30.0
+    late_high = t(3, priority=1)
+    d.submit(late_high)
+    (nxt, _), = lease.release()
+    assert nxt is low
+
+
+def test_queued_model_does_not_jump_fifo_for_same_model():
+    d, _ = mk(n_workers=1, slots=1, max_pending=10)
+    l0 = d.submit(t(0))
+    q1 = t(1)
+    d.submit(q1)
+    # slot frees and is immediately taken by q1, a newcomer must queue behind nobody
+    (tk, _l), = l0.release()
+    assert tk is q1
+
+
+def test_other_models_not_blocked():
+    clock = FakeClock()
+    d = Dispatcher(clock, max_pending=10)
+    d.add_worker("a", "a:latest", 1)
+    d.add_worker("b", "b:latest", 1)
+    d.set_ready("a", True)
+    d.set_ready("b", True)
+    assert d.submit(t(0, model="a:latest"))
+    assert d.submit(t(1, model="a:latest")) is None
+    lb = d.submit(t(2, model="b:latest"))
+    assert lb and lb.worker.id == "b"

@@ -1,0 +1,347 @@
+"""Unit tests for gateway.config: loading, error messages, worker planning and plan diffs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    WorkerPlan,
+    diff_plans,
+    load_config,
+    parse_config,
+    plan_workers,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_YAML = REPO / "gateway.yaml"
+
+
+def base(**model) -> dict:
+    m = {"name": "demo", "path": "builtin:demo"}
+    m.update(model)
+    return {"models": [m]}
+
+
+def errors_of(data: object) -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        parse_config(data)
+    return ei.value.errors
+
+
+# ---------------------------------------------------------------- default file
+
+
+def test_default_yaml_loads():
+    cfg = load_config(DEFAULT_YAML)
+    assert isinstance(cfg, GatewayConfig)
+    assert cfg.listen == "127.0.0.1:11434"
+    assert (cfg.host, cfg.port) == ("127.0.0.1", 11434)
+    assert cfg.llama_server.threads == 1
+    (m,) = cfg.models
+    assert m.name == "demo" and m.full_name == "demo:latest"
+    assert m.is_builtin and m.path == "builtin:demo"
+    assert (m.slots, m.context, m.gpus, m.cpu_fallback) == (2, 2048, "auto", 2)
+    plans = plan_workers(cfg, [])
+    assert [p.id for p in plans] == ["demo-cpu0", "demo-cpu1"]
+    assert all(p.is_cpu and p.total_context == 4096 for p in plans)
+
+
+def test_defaults():
+    cfg = parse_config(base())
+    assert cfg.llama_server.binary is None
+    assert cfg.llama_server.backend == "auto"
+    assert cfg.llama_server.startup_timeout_s == 180
+    assert cfg.queue.max_pending == 512 and cfg.queue.retry_after_s == 2
+    assert cfg.timeouts.first_byte_s == 300 and cfg.timeouts.request_s == 3600
+    assert cfg.generation.num_predict_default == -1
+    assert cfg.log.level == "info" and cfg.log.format == "auto"
+    m = cfg.models[0]
+    assert (m.slots, m.context, m.cpu, m.cpu_fallback, m.priority) == (4, 4096, None, 1, 0)
+    assert m.aliases == [] and m.args == [] and m.slots_per_gpu == {} and m.embeddings is False
+
+
+def test_frozen():
+    cfg = parse_config(base())
+    with pytest.raises(Exception):
+        cfg.listen = "0.0.0.0:1"  # type: ignore[misc]
+    with pytest.raises(Exception):
+        cfg.models[0].slots = 9  # type: ignore[misc]
+
+
+def test_null_section_means_defaults():
+    cfg = parse_config({**base(), "queue": None})
+    assert cfg.queue.max_pending == 512
+
+
+# ---------------------------------------------------------------- error messages
+
+
+def test_error_slots_four():
+    assert errors_of(base(slots="four")) == ['models[0].slots: expected a positive integer, got "four"']
+
+
+def test_error_listen():
+    assert errors_of({**base(), "listen": "nope"}) == ['listen: expected "host:port", got "nope"']
+
+
+def test_error_max_pending():
+    assert errors_of({**base(), "queue": {"max_pending": -1}}) == [
+        "queue.max_pending: expected a non-negative integer, got -1"
+    ]
+
+
+def test_error_models_null():
+    assert errors_of({"models": None}) == ["models: expected a list of models, got null"]
+
+
+def test_error_models_empty_and_missing():
+    assert errors_of({"models": []}) == ["models: expected at least one model, got []"]
+    (err,) = errors_of({})
+    assert err.startswith("models: required key is missing")
+
+
+def test_unknown_key_suggestion():
+    assert errors_of(base(slotz=4)) == ['models[0].slotz: unknown key (did you mean "slots"?)']
+    assert errors_of({**base(), "queu": {}}) == ['queu: unknown key (did you mean "queue"?)']
+    (err,) = errors_of({**base(), "llama_server": {"zzzz": 1}})
+    assert err.startswith("llama_server.zzzz: unknown key (expected one of: binary, backend")
+
+
+def test_bool_is_not_int():
+    assert errors_of(base(slots=True)) == ["models[0].slots: expected a positive integer, got true"]
+    assert errors_of(base(priority=False)) == ["models[0].priority: expected an integer, got false"]
+    assert errors_of({**base(), "queue": {"timeout_s": True}}) == [
+        "queue.timeout_s: expected a positive number, got true"
+    ]
+
+
+def test_other_type_errors():
+    assert errors_of({**base(), "log": {"level": "loud"}}) == [
+        'log.level: expected one of "debug", "info", "warning", "error", got "loud"'
+    ]
+    assert errors_of(base(embeddings="yes")) == ['models[0].embeddings: expected true or false, got "yes"']
+    assert errors_of(base(args=["-c", True])) == ["models[0].args[1]: expected a string, got true"]
+    assert parse_config(base(args=["-c", 4096])).models[0].args == ["-c", "4096"]
+    assert errors_of({"models": ["demo"]}) == ['models[0]: expected a mapping, got "demo"']
+    assert errors_of(base(name="bad name")) == [
+        'models[0].name: expected a model name like "demo", "demo:latest" or "ns/demo:7b", got "bad name"'
+    ]
+    assert errors_of(base(slots="four", context=0)) == [
+        'models[0].slots: expected a positive integer, got "four"',
+        "models[0].context: expected a positive integer, got 0",
+    ]
+
+
+def test_str_prefixed_with_source(tmp_path):
+    p = tmp_path / "gw.yaml"
+    p.write_text("models:\n  - name: demo\n    path: builtin:demo\n    slots: four\n    slotz: 1\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert str(ei.value).splitlines() == [
+        f'{p}: models[0].slots: expected a positive integer, got "four"',
+        f'{p}: models[0].slotz: unknown key (did you mean "slots"?)',
+    ]
+
+
+def test_missing_file_and_yaml_syntax(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        load_config(tmp_path / "nope.yaml")
+    assert ei.value.errors == ["file not found"]
+    p = tmp_path / "bad.yaml"
+    p.write_text("models:\n  - name: demo\n   path: x\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert ei.value.errors[0].startswith("line 3, column ")
+    assert "invalid YAML" in ei.value.errors[0]
+
+
+def test_yaml_duplicate_key(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("models:\n  - name: demo\n    path: builtin:demo\n    slots: 2\n    slots: 3\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert ei.value.errors == ['line 5, column 5: invalid YAML: duplicate key "slots"']
+
+
+def test_listen_variants():
+    cfg = parse_config({**base(), "listen": "[::1]:8080"})
+    assert (cfg.host, cfg.port) == ("::1", 8080)
+    cfg = parse_config({**base(), "listen": "0.0.0.0:0"})
+    assert cfg.port == 0
+    (err,) = errors_of({**base(), "listen": "h:70000"})
+    assert err.startswith('listen: expected "host:port" with a port')
+    assert errors_of({**base(), "listen": 11434}) == ['listen: expected "host:port", got 11434']
+
+
+# ---------------------------------------------------------------- names and paths
+
+
+def test_names_and_duplicates():
+    m = parse_config(base(name="ns/demo:7b")).models[0]
+    assert m.full_name == "ns/demo:7b"
+    data = {
+        "models": [
+            {"name": "demo", "path": "builtin:demo"},
+            {"name": "Demo:latest", "path": "builtin:demo"},
+        ]
+    }
+    assert errors_of(data) == [
+        'models[1].name: duplicate model name "Demo:latest" (already used by models[0].name)'
+    ]
+    data = {
+        "models": [
+            {"name": "demo", "path": "builtin:demo", "aliases": ["tiny"]},
+            {"name": "other", "path": "builtin:demo", "aliases": ["tiny:latest"]},
+        ]
+    }
+    assert errors_of(data) == [
+        'models[1].aliases[0]: duplicate model name "tiny:latest" (already used by models[0].aliases[0])'
+    ]
+
+
+def test_find_model():
+    cfg = parse_config(base(aliases=["tiny"]))
+    assert cfg.find_model("DEMO") is cfg.models[0]
+    assert cfg.find_model("tiny:latest") is cfg.models[0]
+    assert cfg.find_model("demo:7b") is None
+
+
+def test_builtin_vs_missing_file(tmp_path):
+    assert parse_config(base()).models[0].is_builtin
+    missing = tmp_path / "y.gguf"
+    assert errors_of(base(path=str(missing))) == [f"models[0].path: file not found: {missing}"]
+    real = tmp_path / "m.gguf"
+    real.write_bytes(b"GGUF")
+    m = parse_config(base(path=str(real))).models[0]
+    assert not m.is_builtin and m.path == str(real)
+    (err,) = errors_of(base(path="builtin:nope"))
+    assert err.startswith('models[0].path: unknown builtin model "nope"')
+
+
+def test_relative_path_resolved_against_config_dir(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    p = tmp_path / "gw.yaml"
+    p.write_text("models:\n  - name: m\n    path: m.gguf\n")
+    assert load_config(p).models[0].path == str(tmp_path / "m.gguf")
+
+
+def test_cpu_and_gpus_conflict_and_gpu_groups():
+    (err,) = errors_of(base(cpu=2, gpus=[0]))
+    assert err.startswith("models[0].cpu: cannot be combined with gpus")
+    (err,) = errors_of(base(gpus=[[0, 1], [1, 2]]))
+    assert err.startswith("models[0].gpus[1][0]: GPU 1 is already used by gpus[0][1]")
+    (err,) = errors_of(base(gpus=[0, -1]))
+    assert err == "models[0].gpus[1]: expected a GPU index (a non-negative integer), got -1"
+    assert errors_of(base(slots_per_gpu={0: 0})) == ["models[0].slots_per_gpu[0]: expected a positive integer, got 0"]
+
+
+# ---------------------------------------------------------------- plan_workers
+
+
+def ids(plans: list[WorkerPlan]) -> list[str]:
+    return [p.id for p in plans]
+
+
+def test_plan_auto_with_gpus():
+    cfg = parse_config(base(slots=3, context=1000))
+    plans = plan_workers(cfg, [0, 1, 2, 3])
+    assert ids(plans) == ["demo-gpu0", "demo-gpu1", "demo-gpu2", "demo-gpu3"]
+    assert plans[2] == WorkerPlan("demo-gpu2", "demo:latest", (2,), 3, 1000)
+    assert plans[0].total_context == 3000 and not plans[0].is_cpu
+
+
+def test_plan_auto_without_gpus_uses_cpu_fallback():
+    plans = plan_workers(parse_config(base(cpu_fallback=3)), [])
+    assert ids(plans) == ["demo-cpu0", "demo-cpu1", "demo-cpu2"]
+    assert all(p.is_cpu and p.gpus == () for p in plans)
+    assert plan_workers(parse_config(base(cpu_fallback=0)), []) == []
+
+
+def test_plan_explicit_groups_and_names():
+    cfg = parse_config(base(name="ns/demo:7b", gpus=[[0, 1], [2, 3]]))
+    plans = plan_workers(cfg, [0, 1, 2, 3])
+    assert ids(plans) == ["ns_demo-7b-gpu0+1", "ns_demo-7b-gpu2+3"]
+    assert plans[1].gpus == (2, 3) and plans[1].model == "ns/demo:7b"
+    plans = plan_workers(parse_config(base(gpus=[1, 3])), [0, 1, 2, 3])
+    assert ids(plans) == ["demo-gpu1", "demo-gpu3"]
+
+
+def test_plan_slots_per_gpu_override():
+    cfg = parse_config(base(slots=4, slots_per_gpu={0: 8, 2: 6}))
+    assert [p.slots for p in plan_workers(cfg, [0, 1])] == [8, 4]
+    cfg = parse_config(base(slots=4, slots_per_gpu={2: 6}, gpus=[[2, 3], [0, 1]]))
+    assert [p.slots for p in plan_workers(cfg, [0, 1, 2, 3])] == [6, 4]
+
+
+def test_plan_cpu_n():
+    cfg = parse_config(base(cpu=2))
+    plans = plan_workers(cfg, [0, 1])
+    assert ids(plans) == ["demo-cpu0", "demo-cpu1"]
+    assert all(p.is_cpu for p in plans)
+
+
+def test_plan_missing_gpu():
+    cfg = parse_config(base(gpus=[0, 3]))
+    with pytest.raises(ConfigError) as ei:
+        plan_workers(cfg, [0, 1])
+    assert ei.value.errors == ["models[0].gpus: GPU 3 not found (found: 0, 1)"]
+    with pytest.raises(ConfigError) as ei:
+        plan_workers(cfg, [])
+    assert "no NVIDIA GPU detected" in ei.value.errors[0]
+
+
+# ---------------------------------------------------------------- diff_plans
+
+
+def test_diff_plans(tmp_path):
+    data = {
+        "models": [
+            {"name": "demo", "path": "builtin:demo", "slots": 2},
+            {"name": "other", "path": "builtin:demo", "cpu": 2},
+        ]
+    }
+    old_cfg = parse_config(data)
+    old = plan_workers(old_cfg, [0, 1])
+
+    same = diff_plans(old, plan_workers(old_cfg, [0, 1]), old_cfg, old_cfg)
+    assert ids(same.unchanged) == ids(old) and not same.has_changes
+
+    d2 = copy.deepcopy(data)
+    d2["models"][0]["slots"] = 3  # every demo worker changes
+    d2["models"][1]["cpu"] = 1  # other-cpu1 goes away, other-cpu0 stays
+    d2["models"].append({"name": "new", "path": "builtin:demo", "cpu": 1})
+    new_cfg = parse_config(d2)
+    new = plan_workers(new_cfg, [0, 1])
+    diff = diff_plans(old, new, old_cfg, new_cfg)
+    assert ids(diff.changed) == ["demo-gpu0", "demo-gpu1"]
+    assert ids(diff.unchanged) == ["other-cpu0"]
+    assert ids(diff.added) == ["new-cpu0"]
+    assert ids(diff.removed) == ["other-cpu1"]
+    assert diff.changed[0].slots == 3
+
+
+def test_diff_plans_model_settings_count(tmp_path):
+    f = tmp_path / "a.gguf"
+    f.write_bytes(b"GGUF")
+    old_cfg = parse_config(base(cpu=1))
+    new_cfg = parse_config(base(cpu=1, path=str(f)))
+    old, new = plan_workers(old_cfg, []), plan_workers(new_cfg, [])
+    assert old == new
+    assert ids(diff_plans(old, new, old_cfg, new_cfg).changed) == ["demo-cpu0"]
+    args_cfg = parse_config(base(cpu=1, args=["--foo"]))
+    assert ids(diff_plans(old, new, old_cfg, args_cfg).changed) == ["demo-cpu0"]
+    ls_cfg = parse_config({**base(cpu=1), "llama_server": {"extra_args": ["-x"]}})
+    assert ids(diff_plans(old, new, old_cfg, ls_cfg).changed) == ["demo-cpu0"]
+    thr_cfg = parse_config({**base(cpu=1), "llama_server": {"threads": 3}})
+    assert ids(diff_plans(old, new, old_cfg, thr_cfg).changed) == ["demo-cpu0"]
+
+
+def test_worker_id_clash():
+    data = {"models": [{"name": "demo:7b", "path": "builtin:demo"}, {"name": "demo-7b", "path": "builtin:demo"}]}
+    (err,) = errors_of(data)
+    assert err.startswith('models[1].name: worker ids "demo-7b" would clash with those of models[0]')

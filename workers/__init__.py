@@ -1,0 +1,1 @@
+"""Worker side of llama-gateway: provisioning llama-server, supervision, probes, GPU telemetry."""

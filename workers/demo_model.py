@@ -1,0 +1,260 @@
+"""A tiny llama-architecture GGUF model that needs no download.
+
+It exists so that the gateway, its tests and the demo can start real ``llama-server`` workers on any
+machine, offline. The weights are random: the text it writes is gibberish, but every code path of
+llama-server (tokenizer, chat template, KV cache, slots, streaming, metrics) runs for real.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from gateway.logs import get_logger
+from workers.provision import cache_root
+
+log = get_logger(__name__)
+
+DEMO_MODEL_SPEC = """\
+demo.gguf: llama architecture (general.architecture = "llama", general.name = "demo"), f32 weights.
+  - n_embd 64, 2 layers, 4 attention heads, 4 KV heads (head dim 16, rope over all 16 dims),
+    n_ff 128, RMS-norm eps 1e-5, rope freq base 10000, context_length = n_ctx_train (default 4096).
+  - Random weights drawn from N(0, 0.02) with numpy's seeded default_rng (norm weights are 1);
+    the output projection is tied to the token embedding (no output.weight tensor).
+  - Byte-level BPE tokenizer (tokenizer.ggml.model = "gpt2", tokenizer.ggml.pre = "default"):
+    the 256 byte tokens in GPT-2 byte-to-unicode form, then N_MERGES merged tokens learned
+    deterministically from a small built-in English word list (merges are never empty; every merge
+    result is in the vocabulary), then three CONTROL tokens:
+    <|endoftext|> (bos), <|im_start|>, <|im_end|> (eos, end of generation).
+  - add_bos_token = false, add_eos_token = false; a ChatML tokenizer.chat_template
+    (<|im_start|>role\\ncontent<|im_end|>\\n ..., add_generation_prompt appends <|im_start|>assistant\\n).
+  - About 0.5 MB on disk.
+"""
+
+N_EMBD = 64
+N_LAYER = 2
+N_HEAD = 4
+N_HEAD_KV = 4
+N_FF = 128
+N_MERGES = 300
+WEIGHT_STD = 0.02
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# A small, fixed English corpus for learning merges. Changing it changes the vocabulary (and so the
+# model file); keep it stable.
+_CORPUS = """
+the of and to a in is it you that he was for on are with as I his they be at one have this from
+or had by hot word but what some we can out other were all there when up use your how said an each
+she which do their time if will way about many then them write would like so these her long make
+thing see him two has look more day could go come did number sound no most people my over know
+water than call first who may down side been now find any new work part take get place made live
+where after back little only round man year came show every good me give our under name very through
+just form sentence great think say help low line differ turn cause much mean before move right boy
+old too same tell does set three want air well also play small end put home read hand port large
+spell add even land here must big high such follow act why ask men change went light kind off need
+house picture try us again animal point mother world near build self earth father head stand own
+page should country found answer school grow study still learn plant cover food sun four between
+state keep eye never last let thought city tree cross farm hard start might story saw far sea draw
+left late run don't while press close night real life few north open seem together next white
+children begin got walk example ease paper group always music those both mark often letter until
+mile river car feet care second book carry took science eat room friend began idea fish mountain
+stop once base hear horse cut sure watch color face wood main enough plain girl usual young ready
+above ever red list though feel talk bird soon body dog family direct pose leave song measure door
+product black short numeral class wind question happen complete ship area half rock order fire south
+problem piece told knew pass since top whole king space heard best hour better true during hundred
+five remember step early hold west ground interest reach fast verb sing listen six table travel less
+morning ten simple several vowel toward war lay against pattern slow center love person money serve
+appear road map rain rule govern pull cold notice voice unit power town fine certain fly fall lead
+cry dark machine note wait plan figure star box noun field rest correct able pound done beauty drive
+stood contain front teach week final gave green oh quick develop ocean warm free minute strong
+special mind behind clear tail produce fact street inch multiply nothing course stay wheel full force
+blue object decide surface deep moon island foot system busy test record boat common gold possible
+plane stead dry wonder laugh thousand ago ran check game shape equate hot miss brought heat snow tire
+bring yes distant fill east paint language among hello assistant user system model token server
+request response stream slot gateway worker
+"""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _learn_merges(n_merges: int) -> list[tuple[str, str]]:
+    """Learn ``n_merges`` BPE merges from the built-in corpus, deterministically.
+
+    Words are pre-tokenized GPT-2 style (a leading space belongs to the word), mapped to the
+    byte-to-unicode alphabet, and the most frequent adjacent pair is merged repeatedly (ties broken
+    lexicographically).
+    """
+    b2u = _bytes_to_unicode()
+    words = Counter(" " + w for w in _CORPUS.split())
+    seqs: dict[tuple[str, ...], int] = {}
+    for w, c in words.items():
+        key = tuple(b2u[b] for b in w.encode("utf-8"))
+        seqs[key] = seqs.get(key, 0) + c
+    merges: list[tuple[str, str]] = []
+    for _ in range(n_merges):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for seq, c in seqs.items():
+            for a, b in zip(seq, seq[1:]):
+                pairs[(a, b)] += c
+        if not pairs:
+            break
+        best_count = max(pairs.values())
+        best = min(p for p, c in pairs.items() if c == best_count)
+        merges.append(best)
+        merged = best[0] + best[1]
+        new_seqs: dict[tuple[str, ...], int] = {}
+        for seq, c in seqs.items():
+            out: list[str] = []
+            i = 0
+            while i < len(seq):
+                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == best:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(seq[i])
+                    i += 1
+            key = tuple(out)
+            new_seqs[key] = new_seqs.get(key, 0) + c
+        seqs = new_seqs
+    return merges
+
+
+def build_vocab() -> tuple[list[str], list[int], list[str], dict[str, int]]:
+    """Return (tokens, token_types, merges as "a b" strings, special token ids)."""
+    from gguf import TokenType
+
+    b2u = _bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    types = [int(TokenType.NORMAL)] * 256
+    seen = set(tokens)
+    merges = []
+    for a, b in _learn_merges(N_MERGES):
+        merges.append(f"{a} {b}")
+        if a + b not in seen:
+            seen.add(a + b)
+            tokens.append(a + b)
+            types.append(int(TokenType.NORMAL))
+    special: dict[str, int] = {}
+    for s in SPECIAL_TOKENS:
+        special[s] = len(tokens)
+        tokens.append(s)
+        types.append(int(TokenType.CONTROL))
+    return tokens, types, merges, special
+
+
+def demo_model_path() -> Path:
+    """Where the gateway keeps its demo model: ``cache_root()/models/demo.gguf``."""
+    return cache_root() / "models" / "demo.gguf"
+
+
+def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = 4096) -> Path:
+    """Write the demo model (see ``DEMO_MODEL_SPEC``) to ``path`` atomically and return ``path``."""
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens, types, merges, special = build_vocab()
+    n_vocab = len(tokens)
+    head_dim = N_EMBD // N_HEAD
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * WEIGHT_STD).astype(np.float32)
+
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        w = gguf.GGUFWriter(str(tmp), arch="llama")
+        w.add_name("demo")
+        w.add_description("llama-gateway demo model: random weights, offline, for tests and demos")
+        w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+        w.add_vocab_size(n_vocab)
+        w.add_context_length(n_ctx_train)
+        w.add_embedding_length(N_EMBD)
+        w.add_block_count(N_LAYER)
+        w.add_feed_forward_length(N_FF)
+        w.add_head_count(N_HEAD)
+        w.add_head_count_kv(N_HEAD_KV)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(special["<|endoftext|>"])
+        w.add_eos_token_id(special["<|im_end|>"])
+        w.add_add_bos_token(False)
+        w.add_add_eos_token(False)
+        w.add_chat_template(CHATML_TEMPLATE)
+
+        # numpy shapes are the reverse of ggml's ne order (e.g. token_embd is ne = [n_embd, n_vocab]).
+        w.add_tensor("token_embd.weight", rand(n_vocab, N_EMBD))
+        w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        for i in range(N_LAYER):
+            p = f"blk.{i}."
+            w.add_tensor(p + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+            w.add_tensor(p + "attn_q.weight", rand(N_HEAD * head_dim, N_EMBD))
+            w.add_tensor(p + "attn_k.weight", rand(N_HEAD_KV * head_dim, N_EMBD))
+            w.add_tensor(p + "attn_v.weight", rand(N_HEAD_KV * head_dim, N_EMBD))
+            w.add_tensor(p + "attn_output.weight", rand(N_EMBD, N_HEAD * head_dim))
+            w.add_tensor(p + "ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+            w.add_tensor(p + "ffn_gate.weight", rand(N_FF, N_EMBD))
+            w.add_tensor(p + "ffn_up.weight", rand(N_FF, N_EMBD))
+            w.add_tensor(p + "ffn_down.weight", rand(N_EMBD, N_FF))
+
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the model is not secret
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    log.info(
+        "demo_model.written",
+        path=str(path),
+        bytes=path.stat().st_size,
+        n_vocab=n_vocab,
+        n_merges=len(merges),
+        n_ctx_train=n_ctx_train,
+        seed=seed,
+    )
+    return path
+
+
+def ensure_demo_model(path: Path | None = None) -> Path:
+    """Return the demo model's path, writing it first if it is missing."""
+    path = Path(path) if path is not None else demo_model_path()
+    if not path.exists():
+        write_demo_model(path)
+    return path

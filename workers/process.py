@@ -1,0 +1,219 @@
+"""One llama-server process: spawn pinned to its GPUs, pipe its output into the log, stop it.
+
+Orphan protection: each child gets ``PR_SET_PDEATHSIG = SIGKILL`` (Linux prctl), so the
+kernel kills it when the gateway dies, even by SIGKILL. A pid file per worker under the
+state directory lets the next start find and clean up anything that still survived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import secrets
+import signal
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.logs import get_logger
+
+PR_SET_PDEATHSIG = 1
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass
+    # Own process group, so a terminal's Ctrl-C reaches the gateway only; the gateway
+    # then stops the workers itself (and PDEATHSIG covers the gateway dying).
+    os.setpgrp()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchSpec:
+    """Everything needed to start one worker.
+
+    Attributes:
+        worker_id: e.g. ``demo-gpu0``.
+        binary: llama-server path.
+        model_path: GGUF file.
+        alias: name llama-server reports as its model (the Ollama full name).
+        gpus: GPU indices for ``CUDA_VISIBLE_DEVICES`` (empty = CPU worker, variable set to "").
+        slots: ``-np``.
+        context_per_slot: tokens; ``-c`` is ``slots * context_per_slot``.
+        threads: ``-t`` or None to let llama-server decide.
+        embeddings: pass ``--embeddings``.
+        extra_args: appended last (operator's args win).
+    """
+
+    worker_id: str
+    binary: Path
+    model_path: Path
+    alias: str
+    gpus: tuple[int, ...]
+    slots: int
+    context_per_slot: int
+    threads: int | None = None
+    embeddings: bool = False
+    extra_args: list[str] = field(default_factory=list)
+
+    def argv(self, port: int) -> list[str]:
+        args = [str(self.binary), "-m", str(self.model_path), "--host", "127.0.0.1",
+                "--port", str(port), "-np", str(self.slots),
+                "-c", str(self.slots * self.context_per_slot), "--metrics", "--slots",
+                "--alias", self.alias, "--no-webui"]
+        if self.threads:
+            args += ["-t", str(self.threads)]
+        if self.embeddings:
+            args += ["--embeddings"]
+        return args + list(self.extra_args)
+
+    def env(self, api_key: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
+        # The per-start key travels in the environment (readable by this user only via
+        # /proc/PID/environ), not on the command line that every local user can read.
+        env["LLAMA_ARG_API_KEY"] = api_key
+        lib_dir = str(Path(self.binary).resolve().parent)
+        env["LD_LIBRARY_PATH"] = lib_dir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        return env
+
+
+class WorkerProcess:
+    """A started llama-server. ``url`` and ``api_key`` are what the upstream client needs."""
+
+    def __init__(self, spec: LaunchSpec, state_dir: Path | None = None):
+        self.spec = spec
+        self.state_dir = state_dir
+        self.port = 0
+        self.api_key = ""
+        self.proc: asyncio.subprocess.Process | None = None
+        self._pipes: list[asyncio.Task] = []
+        gpu = ",".join(map(str, spec.gpus)) or "cpu"
+        self.log = get_logger("workers.process", worker=spec.worker_id, gpu=gpu)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc else None
+
+    async def start(self) -> None:
+        """Spawn the process. Raises OSError if the binary cannot be executed."""
+        self.port = free_port()
+        self.api_key = secrets.token_urlsafe(24)
+        argv = self.spec.argv(self.port)
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=self.spec.env(self.api_key),
+            preexec_fn=_set_pdeathsig)
+        self.log.info("worker.spawned", pid=self.proc.pid, port=self.port, argv=" ".join(argv[1:]))
+        self._write_pidfile()
+        self._pipes = [asyncio.create_task(self._pipe(self.proc.stdout, "stdout")),
+                       asyncio.create_task(self._pipe(self.proc.stderr, "stderr"))]
+
+    async def _pipe(self, stream: asyncio.StreamReader, name: str) -> None:
+        while True:
+            try:
+                line = await stream.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                continue
+            if not line:
+                return
+            text = line.decode("utf-8", "replace").rstrip()
+            if text:
+                self.log.debug("worker.output", stream=name, line=text)
+
+    async def wait(self) -> int:
+        """Wait for exit; returns the exit status (negative = killed by that signal)."""
+        assert self.proc is not None
+        rc = await self.proc.wait()
+        for t in self._pipes:
+            try:
+                await asyncio.wait_for(t, 2)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                t.cancel()
+        self._remove_pidfile()
+        return rc
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.returncode is None:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    async def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM, wait ``grace_s`` seconds, then SIGKILL; returns once reaped."""
+        if self.proc is None:
+            return None
+        if self.proc.returncode is None:
+            self.kill(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), grace_s)
+            except asyncio.TimeoutError:
+                self.log.warning("worker.stop_timeout", grace_s=grace_s)
+                self.kill(signal.SIGKILL)
+        return await self.wait()
+
+    # ---- pid files: clean-up of survivors from an earlier gateway --------------------------
+    def _pidfile(self) -> Path | None:
+        return self.state_dir / f"{self.spec.worker_id}.pid" if self.state_dir else None
+
+    def _write_pidfile(self) -> None:
+        p = self._pidfile()
+        if p and self.proc:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(f"{self.proc.pid}\n{self.spec.binary}\n")
+
+    def _remove_pidfile(self) -> None:
+        p = self._pidfile()
+        if p:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def reap_stale_workers(state_dir: Path) -> list[int]:
+    """Kill llama-server processes recorded by an earlier gateway that are still running.
+
+    A pid counts only if ``/proc/PID/exe`` still is the recorded binary (pids get reused).
+    Returns the pids killed.
+    """
+    killed = []
+    if not state_dir.is_dir():
+        return killed
+    log = get_logger("workers.process")
+    for pf in state_dir.glob("*.pid"):
+        try:
+            pid_s, binary = pf.read_text().splitlines()[:2]
+            pid = int(pid_s)
+            exe = os.readlink(f"/proc/{pid}/exe")
+            if Path(exe).resolve() == Path(binary).resolve():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                log.warning("worker.stale_killed", pid=pid, pidfile=str(pf))
+        except (ValueError, OSError):
+            pass
+        try:
+            pf.unlink()
+        except FileNotFoundError:
+            pass
+    return killed

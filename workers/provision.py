@@ -1,0 +1,466 @@
+"""Find or build the ``llama-server`` binary that the gateway's workers run.
+
+Lookup order (``find_llama_server``): an explicit configured path, then ``$LLAMA_SERVER``, then
+``llama-server`` on ``PATH``, then a binary this module built earlier into the cache.
+
+Building (``build_llama_server``) needs no network beyond PyPI: the sdist of
+``llama-cpp-python==LLAMA_CPP_PYTHON_VERSION`` carries the complete llama.cpp tree (commit
+``LLAMA_CPP_COMMIT``) under ``vendor/llama.cpp``. The result, ``bin/llama-server`` plus the shared
+libraries beside it, is cached outside the checkout under
+``cache_root()/llama-server/<version>-<commit>-<backend>/bin/`` so later runs on the same machine reuse it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from gateway.logs import get_logger
+
+log = get_logger(__name__)
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_COMMIT = "0c1e570"
+# sha256 of llama_cpp_python-0.3.36.tar.gz as served by PyPI.
+LLAMA_CPP_PYTHON_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+
+_SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+_PROGRESS_RE = re.compile(r"^\[\s*(\d{1,3})%\]")
+_LOG_TAIL_LINES = 60
+
+
+class ProvisionError(RuntimeError):
+    """llama-server could not be found, verified or built."""
+
+
+# --------------------------------------------------------------------------------------------- paths
+
+
+def cache_root() -> Path:
+    """The gateway's cache directory, outside the checkout.
+
+    ``$LLAMA_GATEWAY_CACHE`` if set, else ``$XDG_CACHE_HOME/llama-gateway``, else
+    ``~/.cache/llama-gateway``.
+    """
+    explicit = os.environ.get("LLAMA_GATEWAY_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "llama-gateway"
+    return Path.home() / ".cache" / "llama-gateway"
+
+
+def _build_key(backend: str) -> str:
+    return f"{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_COMMIT}-{backend}"
+
+
+def cached_binary_path(backend: str) -> Path:
+    """Where a binary built by ``build_llama_server(backend)`` lives, keyed by version and backend."""
+    return cache_root() / "llama-server" / _build_key(backend) / "bin" / "llama-server"
+
+
+# ------------------------------------------------------------------------------------------- backend
+
+
+def _find_nvcc() -> str | None:
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return nvcc
+    fallback = Path("/usr/local/cuda/bin/nvcc")
+    if fallback.is_file() and os.access(fallback, os.X_OK):
+        return str(fallback)
+    return None
+
+
+def _nvidia_compute_capabilities() -> list[tuple[int, int]]:
+    """Compute capabilities of the NVIDIA cards present; empty if there is no usable driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        caps = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            caps.append((int(major), int(minor)))
+        return caps
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _nvidia_driver_usable() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount() > 0
+        finally:
+            try:
+                pynvml.nvmlShutdown()
+            except Exception:
+                pass
+    except Exception:
+        return False
+
+
+def detect_backend() -> str:
+    """Which llama.cpp backend to build and use on this machine: ``"cuda"`` or ``"cpu"``.
+
+    Rule: ``"cuda"`` only when BOTH hold:
+      1. the CUDA compiler is present (``nvcc`` on ``PATH`` or ``/usr/local/cuda/bin/nvcc``), and
+      2. an NVIDIA driver is usable: ``pynvml.nvmlInit()`` succeeds and reports at least one device.
+    Anything else (no nvcc, no driver, no card, any exception from NVML) gives ``"cpu"``. A machine
+    with the CUDA toolkit installed but no GPU (a typical dev box or CI runner) is therefore ``"cpu"``.
+    """
+    if _find_nvcc() is None:
+        return "cpu"
+    return "cuda" if _nvidia_driver_usable() else "cpu"
+
+
+# -------------------------------------------------------------------------------------------- lookup
+
+
+def _check_executable(path: Path, source: str) -> Path:
+    if not path.is_file():
+        raise ProvisionError(f"llama-server from {source} does not exist or is not a file: {path}")
+    if not os.access(path, os.X_OK):
+        raise ProvisionError(f"llama-server from {source} is not executable: {path}")
+    return path
+
+
+def find_llama_server(configured: str | None = None, backend: str | None = None) -> Path | None:
+    """Locate an existing llama-server binary; build nothing.
+
+    Order: ``configured`` (e.g. ``llama_server.binary`` from the config), then ``$LLAMA_SERVER``,
+    then ``llama-server`` on ``PATH``, then the cached build for ``backend`` (default
+    ``detect_backend()``). An explicit configured or environment path that is missing or not
+    executable raises ``ProvisionError`` rather than silently falling through. Returns ``None`` when
+    nothing is found.
+    """
+    if configured:
+        path = _check_executable(Path(configured).expanduser(), "config (llama_server.binary)")
+        log.debug("llama_server.found", path=str(path), source="config")
+        return path
+    env = os.environ.get("LLAMA_SERVER")
+    if env:
+        path = _check_executable(Path(env).expanduser(), "$LLAMA_SERVER")
+        log.debug("llama_server.found", path=str(path), source="env")
+        return path
+    which = shutil.which("llama-server")
+    if which:
+        log.debug("llama_server.found", path=which, source="path")
+        return Path(which)
+    cached = cached_binary_path(backend or detect_backend())
+    if cached.is_file() and os.access(cached, os.X_OK):
+        log.debug("llama_server.found", path=str(cached), source="cache")
+        return cached
+    return None
+
+
+def ensure_llama_server(
+    configured: str | None = None, backend: str | None = None, allow_build: bool = True
+) -> Path:
+    """Find llama-server, else build it into the cache (if ``allow_build``), else raise."""
+    found = find_llama_server(configured, backend)
+    if found is not None:
+        return found
+    backend = backend or detect_backend()
+    if not allow_build:
+        raise ProvisionError(
+            "llama-server not found (looked at llama_server.binary, $LLAMA_SERVER, PATH and "
+            f"{cached_binary_path(backend)}). Run `llama-gateway install-llama-server` to build it "
+            "from source, or set `llama_server.binary` in the config (or $LLAMA_SERVER) to an "
+            "existing llama-server."
+        )
+    return build_llama_server(backend)
+
+
+def llama_server_version(binary: Path) -> str:
+    """The version line of ``binary --version``, e.g. ``version: 1 (0c1e570)``.
+
+    llama-server prints it on stderr; both streams are searched.
+    """
+    try:
+        proc = subprocess.run(
+            [str(binary), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ProvisionError(f"could not run {binary} --version: {exc}") from exc
+    text = (proc.stderr or "") + "\n" + (proc.stdout or "")
+    for line in text.splitlines():
+        if "version" in line.lower():
+            return line.strip()
+    raise ProvisionError(
+        f"{binary} --version printed no version line (exit {proc.returncode}): {text.strip()[-2000:]}"
+    )
+
+
+# --------------------------------------------------------------------------------------------- build
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("llama_server.build.waiting_for_lock", lock=str(path))
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _tail(path: Path, n: int = _LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return "".join(deque(fh, maxlen=n))
+    except OSError:
+        return ""
+
+
+def _run_logged(cmd: list[str], log_path: Path, step: str, *, progress: bool = False) -> None:
+    """Run ``cmd``, appending its output to ``log_path``; raise ProvisionError with the tail on failure.
+
+    With ``progress``, ``[ NN%]`` lines from the build are logged as ``llama_server.build.progress``
+    (once per change of percentage).
+    """
+    log.info("llama_server.build.step", step=step, cmd=" ".join(cmd))
+    last_pct = -1
+    started = time.monotonic()
+    with open(log_path, "a", errors="replace") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                bufsize=1,
+            )
+        except OSError as exc:
+            raise ProvisionError(f"llama-server build step {step!r} could not start: {exc}") from exc
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            if progress:
+                m = _PROGRESS_RE.match(line)
+                if m:
+                    pct = int(m.group(1))
+                    if pct != last_pct:
+                        last_pct = pct
+                        log.info(
+                            "llama_server.build.progress",
+                            percent=pct,
+                            elapsed_s=round(time.monotonic() - started, 1),
+                        )
+        rc = proc.wait()
+        out.write(f"# exit {rc}\n")
+    if rc != 0:
+        tail = _tail(log_path)
+        log.error("llama_server.build.failed", step=step, rc=rc, log=str(log_path))
+        raise ProvisionError(
+            f"llama-server build step {step!r} failed (exit {rc}); full log: {log_path}\n"
+            f"--- last lines ---\n{tail}"
+        )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download_sdist(src_dir: Path, log_path: Path) -> Path:
+    """The llama-cpp-python sdist tarball in ``src_dir``, downloaded with pip if not already there.
+
+    The tarball is checked against ``LLAMA_CPP_PYTHON_SDIST_SHA256`` whether reused or downloaded.
+    pip runs with its default build isolation: ``--no-build-isolation`` makes ``pip download`` fail
+    unless the sdist's build backend (scikit-build-core) is installed in this environment, because
+    pip prepares the sdist's metadata even when only downloading.
+    """
+    tarball = src_dir / f"{_SDIST_NAME}.tar.gz"
+    if tarball.is_file():
+        if _sha256(tarball) == LLAMA_CPP_PYTHON_SDIST_SHA256:
+            log.info("llama_server.build.sdist_reused", path=str(tarball))
+            return tarball
+        log.warning("llama_server.build.sdist_corrupt", path=str(tarball))
+        tarball.unlink()
+    src_dir.mkdir(parents=True, exist_ok=True)
+    _run_logged(
+        [
+            sys.executable, "-m", "pip", "download",
+            "--no-binary", ":all:", "--no-deps",
+            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(src_dir),
+        ],
+        log_path,
+        "download",
+    )
+    if not tarball.is_file():
+        raise ProvisionError(f"pip download did not produce {tarball}; see {log_path}")
+    digest = _sha256(tarball)
+    if digest != LLAMA_CPP_PYTHON_SDIST_SHA256:
+        tarball.unlink()
+        raise ProvisionError(
+            f"downloaded {tarball.name} has sha256 {digest}, expected {LLAMA_CPP_PYTHON_SDIST_SHA256}"
+        )
+    log.info("llama_server.build.sdist_downloaded", path=str(tarball))
+    return tarball
+
+
+def _extract_llama_cpp(tarball: Path, src_dir: Path) -> Path:
+    """Extract ``vendor/llama.cpp`` from the sdist (once) and return its directory."""
+    root = src_dir / _SDIST_NAME
+    llama_dir = root / "vendor" / "llama.cpp"
+    if (llama_dir / "CMakeLists.txt").is_file():
+        return llama_dir
+    prefix = f"{_SDIST_NAME}/vendor/llama.cpp/"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{_SDIST_NAME}.", dir=src_dir))
+    try:
+        with tarfile.open(tarball) as tf:
+            members = [m for m in tf.getmembers() if m.name.startswith(prefix)]
+            if not members:
+                raise ProvisionError(f"{tarball} has no {prefix} tree")
+            tf.extractall(tmp, members=members, filter="data")
+        if root.exists():
+            shutil.rmtree(root)
+        os.rename(tmp / _SDIST_NAME, root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("llama_server.build.extracted", path=str(llama_dir))
+    return llama_dir
+
+
+def _cmake_configure_args(source: Path, build: Path, backend: str) -> list[str]:
+    args = [
+        "cmake", "-S", str(source), "-B", str(build),
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DGGML_NATIVE=ON",
+        # The binary finds its shared libraries beside itself ($ORIGIN), so bin/ can be moved.
+        "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
+        "-DCMAKE_BUILD_RPATH=$ORIGIN",
+    ]
+    if backend == "cuda":
+        nvcc = _find_nvcc()
+        if nvcc is None:
+            raise ProvisionError("backend 'cuda' requested but nvcc was not found")
+        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={nvcc}"]
+        caps = sorted(set(_nvidia_compute_capabilities()))
+        if caps:
+            archs = ";".join(f"{major}{minor}" for major, minor in caps)
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
+    elif backend != "cpu":
+        raise ProvisionError(f"unknown llama-server backend {backend!r} (expected 'cpu' or 'cuda')")
+    return args
+
+
+def build_llama_server(backend: str | None = None, jobs: int | None = None) -> Path:
+    """Build llama-server from the llama-cpp-python sdist into the cache and return the binary.
+
+    Takes a few minutes on a small CPU machine (about 4 on 2 cores), much longer for CUDA; progress
+    is logged as ``llama_server.build.progress``. Concurrent callers serialise on a lock file in the
+    cache; the second one finds the first one's result. On failure raises ``ProvisionError`` with
+    the tail of the build log.
+    """
+    if shutil.which("cmake") is None:
+        raise ProvisionError("building llama-server needs cmake (and a C/C++ compiler) on PATH")
+    backend = backend or detect_backend()
+    key = _build_key(backend)
+    root = cache_root()
+    final_bin = cached_binary_path(backend)
+    final_dir = final_bin.parent.parent  # .../llama-server/<key>
+    servers_dir = final_dir.parent
+    servers_dir.mkdir(parents=True, exist_ok=True)
+    jobs = jobs or os.cpu_count() or 1
+
+    # One lock for every build in this cache: builds share the sdist download and its extracted tree.
+    with _file_lock(servers_dir / ".build.lock"):
+        if final_bin.is_file() and os.access(final_bin, os.X_OK):
+            log.info("llama_server.build.cached", path=str(final_bin))
+            return final_bin
+        # Leftovers of builds that were killed half-way (we hold the lock, so nobody owns them).
+        for stale in [*servers_dir.glob(f".{key}.tmp-*"), *(root / "src").glob(f".{_SDIST_NAME}.*")]:
+            shutil.rmtree(stale, ignore_errors=True)
+        log_path = servers_dir / f"build-{key}.log"
+        log_path.write_text("")
+        log.info("llama_server.build.start", backend=backend, jobs=jobs, log=str(log_path))
+        started = time.monotonic()
+
+        src_dir = root / "src"
+        tarball = _download_sdist(src_dir, log_path)
+        source = _extract_llama_cpp(tarball, src_dir)
+        build_dir = root / "build" / key
+        if build_dir.exists():
+            shutil.rmtree(build_dir)  # never reuse a half-configured tree from an interrupted build
+        _run_logged(_cmake_configure_args(source, build_dir, backend), log_path, "configure")
+        _run_logged(
+            ["cmake", "--build", str(build_dir), "--config", "Release",
+             "--target", "llama-server", "-j", str(jobs)],
+            log_path, "build", progress=True,
+        )
+        built_bin = build_dir / "bin"
+        if not (built_bin / "llama-server").is_file():
+            raise ProvisionError(
+                f"build finished but {built_bin / 'llama-server'} is missing; log: {log_path}\n"
+                f"{_tail(log_path)}"
+            )
+
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=servers_dir))
+        try:
+            shutil.copytree(built_bin, tmp_dir / "bin", symlinks=True)
+            # Drop the build tree first so the check below proves the copy finds its libraries.
+            shutil.rmtree(build_dir, ignore_errors=True)
+            try:
+                version = llama_server_version(tmp_dir / "bin" / "llama-server")
+            except ProvisionError as exc:
+                raise ProvisionError(f"built llama-server does not run from the cache: {exc}") from exc
+            if final_dir.exists():
+                shutil.rmtree(final_dir)  # a broken leftover (no executable binary in it)
+            os.rename(tmp_dir, final_dir)
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+        log.info(
+            "llama_server.build.done",
+            path=str(final_bin),
+            version=version,
+            seconds=round(time.monotonic() - started, 1),
+        )
+        return final_bin
