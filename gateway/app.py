@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway import __version__
 from gateway.admission import Admission
+from gateway.api import admin as admin_api
 from gateway.api import ollama as ollama_api
 from gateway.api import openai as openai_api
 from gateway.config import GatewayConfig, ModelConfig, plan_workers
@@ -61,6 +62,7 @@ class Gateway:
         app["gw"] = self
         app.add_routes(ollama_api.routes())
         app.add_routes(openai_api.routes())
+        app.add_routes(admin_api.routes())
         return app
 
     async def start(self) -> None:

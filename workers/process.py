@@ -83,7 +83,7 @@ class LaunchSpec:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
         # The per-start key travels in the environment (readable by this user only via
         # /proc/PID/environ), not on the command line that every local user can read.
-        env["LLAMA_ARG_API_KEY"] = api_key
+        env["LLAMA_API_KEY"] = api_key
         lib_dir = str(Path(self.binary).resolve().parent)
         env["LD_LIBRARY_PATH"] = lib_dir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
         return env
