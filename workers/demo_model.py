@@ -23,7 +23,10 @@ DEMO_MODEL_SPEC = """\
 demo.gguf: llama architecture (general.architecture = "llama", general.name = "demo"), f32 weights.
   - n_embd 64, 2 layers, 4 attention heads, 4 KV heads (head dim 16, rope over all 16 dims),
     n_ff 128, RMS-norm eps 1e-5, rope freq base 10000, context_length = n_ctx_train (default 4096).
-  - Random weights drawn from N(0, 0.02) with numpy's seeded default_rng (norm weights are 1);
+  - Random weights drawn from N(0, 0.02) with numpy's seeded default_rng (norm weights are 1),
+    except embedding dimension 0, a text/control flag (+1 / -1; see CONTROL_FLAG_DIM): after a
+    text token the model practically never emits a control token (so EOS never cuts a long
+    generation short), and after <|im_end|> it emits one at once (a deterministic EOS stop);
     the output projection is tied to the token embedding (no output.weight tensor).
   - Byte-level BPE tokenizer (tokenizer.ggml.model = "gpt2", tokenizer.ggml.pre = "default"):
     the 256 byte tokens in GPT-2 byte-to-unicode form, then N_MERGES merged tokens learned
@@ -217,7 +220,7 @@ def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = 4096) -> P
         w.add_chat_template(CHATML_TEMPLATE)
 
         # numpy shapes are the reverse of ggml's ne order (e.g. token_embd is ne = [n_embd, n_vocab]).
-        w.add_tensor("token_embd.weight", rand(n_vocab, N_EMBD))
+        w.add_tensor("token_embd.weight", _embeddings(rand(n_vocab, N_EMBD), special.values()))
         w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
         for i in range(N_LAYER):
             p = f"blk.{i}."
@@ -250,6 +253,22 @@ def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = 4096) -> P
         seed=seed,
     )
     return path
+
+
+# Dimension 0 of every embedding is a "text vs control" flag: +1 for text tokens, -1 for the
+# control tokens. The output layer is tied to the embedding, so after RMS norm the next-token
+# logits of control tokens sit about 16 below those of text tokens when the last token is text
+# (generation practically never hits EOS and runs to num_predict, which long-request tests
+# need), and far above them when the last token is a control token (a raw prompt ending in
+# <|im_end|> stops at once with stop_type "eos", which done_reason tests need).
+CONTROL_FLAG_DIM = 0
+
+
+def _embeddings(emb: np.ndarray, control_ids) -> np.ndarray:
+    emb[:, CONTROL_FLAG_DIM] = 1.0
+    for i in control_ids:
+        emb[i, CONTROL_FLAG_DIM] = -1.0
+    return emb
 
 
 def ensure_demo_model(path: Path | None = None) -> Path:

@@ -13,7 +13,7 @@ from tests.conftest import base_config, free_port
 pytestmark = pytest.mark.slow
 
 LONG = {"model": "demo", "prompt": "tell me a long story", "raw": True, "stream": False,
-        "options": {"num_predict": 3000, "temperature": 1.0}}
+        "options": {"num_predict": 1500, "temperature": 1.0}}
 
 
 def long_cfg(**over):
@@ -46,7 +46,7 @@ def test_eight_long_requests_run_four_at_once(gateway_factory):
         stop.set()
         watcher.join()
     assert [r.status_code for r in results] == [200] * 8
-    assert all(r.json()["done_reason"] == "length" and r.json()["eval_count"] == 3000
+    assert all(r.json()["done_reason"] == "length" and r.json()["eval_count"] == 1500
                for r in results)
     # never more than 2 per worker, seen from the worker itself and from the gateway
     assert max(max(per.values()) for per, _, _ in samples) == 2
