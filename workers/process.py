@@ -138,7 +138,23 @@ class WorkerProcess:
                 return
             text = line.decode("utf-8", "replace").rstrip()
             if text:
-                self.log.debug("worker.output", stream=name, line=text)
+                self._emit(name, text)
+
+    def _emit(self, stream: str, text: str) -> None:
+        """Log one worker output line at the level llama-server gave it.
+
+        llama-server prefixes its log lines with a timestamp and a level letter
+        (``0.00.009.380 E llama_model_load…``): E → error, W → warning, everything else
+        (per-request chatter) → debug, so the gateway's info log stays readable.
+        """
+        parts = text.split(" ", 2)
+        level = parts[1] if len(parts) > 2 and len(parts[1]) == 1 else ""
+        if level == "E":
+            self.log.error("worker.output", stream=stream, line=text)
+        elif level == "W":
+            self.log.warning("worker.output", stream=stream, line=text)
+        else:
+            self.log.debug("worker.output", stream=stream, line=text)
 
     async def wait(self) -> int:
         """Wait for exit; returns the exit status (negative = killed by that signal)."""

@@ -1,0 +1,79 @@
+"""workers/process.py: the launch command line, environment, and worker log routing."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from workers.process import LaunchSpec, WorkerProcess, reap_stale_workers
+from workers.provision import ensure_llama_server
+
+
+def spec(**kw):
+    base = dict(worker_id="m-gpu1", binary=Path("/bin/true"), model_path=Path("/m.gguf"),
+                alias="m:latest", gpus=(1, 3), slots=4, context_per_slot=2048)
+    base.update(kw)
+    return LaunchSpec(**base)
+
+
+def test_argv_pins_slots_context_metrics_and_no_key():
+    argv = spec(extra_args=["--flash-attn", "on"]).argv(5555)
+    assert argv[argv.index("-np") + 1] == "4"
+    assert argv[argv.index("-c") + 1] == str(4 * 2048)
+    assert "--metrics" in argv and argv[argv.index("--port") + 1] == "5555"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[-2:] == ["--flash-attn", "on"]
+    assert not any("key" in a for a in argv)  # the key never appears on the command line
+
+
+def test_env_pins_gpus_and_carries_key():
+    env = spec().env("sekrit")
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
+    assert env["LLAMA_API_KEY"] == "sekrit"
+    assert spec(gpus=()).env("k")["CUDA_VISIBLE_DEVICES"] == ""
+
+
+@pytest.mark.slow
+def test_worker_errors_reach_the_log_as_errors(tmp_path):
+    """A real llama-server on a missing model exits; its 'E' lines are logged at error level."""
+    s = spec(binary=ensure_llama_server(), model_path=tmp_path / "missing.gguf", gpus=())
+
+    async def run():
+        p = WorkerProcess(s, state_dir=tmp_path / "run")
+        with capture_logs() as logs:
+            await p.start()
+            assert (tmp_path / "run" / "m-gpu1.pid").exists()
+            rc = await asyncio.wait_for(p.wait(), 30)
+        return rc, logs
+
+    rc, logs = asyncio.run(run())
+    assert rc != 0
+    errors = [e for e in logs if e["event"] == "worker.output" and e["log_level"] == "error"]
+    assert any("failed to load model" in e["line"] for e in errors), logs[-5:]
+    assert not (tmp_path / "run" / "m-gpu1.pid").exists()
+
+
+def test_reap_stale_workers_kills_only_matching_binary(tmp_path):
+    """A pid file from an earlier gateway: the process is killed only if /proc/PID/exe still
+    is the recorded binary (here `sleep`, standing in for a surviving worker)."""
+    import shutil
+    import subprocess
+
+    sleep_bin = Path(shutil.which("sleep")).resolve()
+    victim = subprocess.Popen([str(sleep_bin), "60"])
+    other = subprocess.Popen([str(sleep_bin), "60"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "a.pid").write_text(f"{victim.pid}\n{sleep_bin}\n")
+    (run / "b.pid").write_text(f"{other.pid}\n/usr/bin/not-this-binary\n")
+    try:
+        killed = reap_stale_workers(run)
+        assert killed == [victim.pid]
+        assert victim.wait(5) == -9
+        assert other.poll() is None
+        assert not list(run.glob("*.pid"))
+    finally:
+        other.kill()
+        other.wait()
+        victim.kill()
