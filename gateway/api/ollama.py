@@ -305,7 +305,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
           **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}
     if lp or top:
         up["logprobs"] = True
-        up["top_logprobs"] = max(top, 1) if top else 0
+        up["top_logprobs"] = max(top, 1)  # as Ollama's runner: llama-server needs >= 1
     if tools:
         up["tools"] = tools
 
@@ -315,7 +315,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
             msg["thinking"] = thinking
         obj = {"model": name, "created_at": now_utc_z(), "message": msg, "done": False}
         if lp or top:
-            obj["logprobs"] = st.take_logprobs()
+            obj["logprobs"] = st.take_logprobs(top)
         return obj
 
     def final(st):
@@ -327,7 +327,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         obj = {"model": name, "created_at": now_utc_z(), "message": msg, "done": True,
                "done_reason": st.done_reason or "stop", **st.metrics()}
         if lp or top:
-            obj["logprobs"] = st.take_logprobs()
+            obj["logprobs"] = st.take_logprobs(top)
         return obj
 
     return await _relay(request, entry, "/v1/chat/completions", up, stream, chunk, final)
@@ -404,7 +404,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if thinking:
             obj["thinking"] = thinking
         if lp or top:
-            obj["logprobs"] = st.take_logprobs()
+            obj["logprobs"] = st.take_logprobs(top)
         return obj
 
     async def final(st):
@@ -419,7 +419,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             obj["context"] = await tokenize(gw, entry.name, rendered + response)
         obj.update(st.metrics())
         if lp or top:
-            obj["logprobs"] = st.take_logprobs()
+            obj["logprobs"] = st.take_logprobs(top)
         return obj
 
     if stream:

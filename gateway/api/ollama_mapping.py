@@ -165,8 +165,13 @@ class StreamState:
         if isinstance(err, dict) and err.get("type") == "exceed_context_size_error":
             self.error, self.error_status = CONTEXT_OVERFLOW_MESSAGE, 400
 
-    def take_logprobs(self) -> list[dict]:
+    def take_logprobs(self, top: int = 20) -> list[dict]:
+        """The logprobs gathered since the last call; ``top_logprobs`` dropped when ``top`` is 0
+        (upstream is always asked for at least one alternative)."""
         out, self.logprobs = self.logprobs, []
+        if top == 0:
+            for e in out:
+                e.pop("top_logprobs", None)
         return out
 
     # --- Ollama final fields ------------------------------------------------------------------
