@@ -39,3 +39,15 @@ def worker_metrics(worker: dict) -> dict[str, float]:
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
+
+
+def nearest(vec: list[float], refs: dict) -> object:
+    """The key of ``refs`` whose vector is closest (cosine) to ``vec``.
+
+    Used to check embedding order: llama-server's vectors for one text differ slightly (~1e-2)
+    when it batches several requests together, so equality is too strict but the nearest
+    reference must be the text's own."""
+    def cos(a, b):
+        return sum(x * y for x, y in zip(a, b)) / (
+            (sum(x * x for x in a) ** 0.5) * (sum(y * y for y in b) ** 0.5))
+    return max(refs, key=lambda k: cos(vec, refs[k]))
