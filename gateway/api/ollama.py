@@ -22,7 +22,7 @@ from aiohttp import web
 from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout
 from gateway.api.capabilities import model_capabilities, require
-from gateway.api.common import STREAM_HEADERS, make_ticket, read_json, t0_ns
+from gateway.api.common import make_ticket, read_json, start_stream, t0_ns
 from gateway.api.errors import BUSY_MESSAGE, ApiError, ollama_error
 from gateway.api.ollama_mapping import (
     CONTEXT_OVERFLOW_MESSAGE,
@@ -275,11 +275,7 @@ def upstream_error_text(e: UpstreamError) -> tuple[str, int]:
 
 async def prepare_ndjson(request: web.Request) -> web.StreamResponse:
     """Start a 200 ``application/x-ndjson`` chunked stream with the no-buffering headers."""
-    out = web.StreamResponse(status=200, headers={"Content-Type": "application/x-ndjson",
-                                                  **STREAM_HEADERS})
-    out.enable_chunked_encoding()
-    await out.prepare(request)
-    return out
+    return await start_stream(request, "application/x-ndjson")
 
 
 async def chat(request: web.Request) -> web.StreamResponse:

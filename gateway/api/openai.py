@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout
-from gateway.api.common import STREAM_HEADERS, make_ticket, read_json
+from gateway.api.common import make_ticket, read_json, start_stream
 from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
 from gateway.logs import get_logger
 from gateway.upstream import UpstreamError, iter_sse
@@ -56,10 +56,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
             if not stream:
                 data = await resp.read()
                 return web.Response(body=data, content_type="application/json")
-            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                          **STREAM_HEADERS})
-            out.enable_chunked_encoding()
-            await out.prepare(request)
+            out = await start_stream(request, "text/event-stream")
             await _relay_stream(resp, out, include_usage)
     except QueueFull:
         return openai_error(503, BUSY_MESSAGE, retry)
