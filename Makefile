@@ -16,6 +16,12 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 	$(BIN)/llama-gateway install-llama-server
 	$(BIN)/llama-gateway demo-model
+	@# nginx is only used by the proxy-buffering test (field case 19), which skips without it.
+	@# Installed only when running as root with apt-get (never prompts for sudo).
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx >/dev/null; } || \
+	  echo "nginx not installed: the nginx proxy test will be skipped"
 
 run: setup
 	$(BIN)/llama-gateway serve -c gateway.yaml

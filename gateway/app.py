@@ -12,6 +12,8 @@ from aiohttp import web
 from gateway import __version__
 from gateway.admission import Admission
 from gateway.api import admin as admin_api
+from gateway.api import embeddings as embeddings_api
+from gateway.api import ollama_manage as ollama_manage_api
 from gateway.api import ollama as ollama_api
 from gateway.api import openai as openai_api
 from gateway.config import GatewayConfig, ModelConfig, plan_workers
@@ -63,6 +65,8 @@ class Gateway:
         app.add_routes(ollama_api.routes())
         app.add_routes(openai_api.routes())
         app.add_routes(admin_api.routes())
+        app.add_routes(embeddings_api.routes())
+        app.add_routes(ollama_manage_api.routes())
         return app
 
     async def start(self) -> None:

@@ -8,10 +8,11 @@ resolve to the same model.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from gateway.logs import get_logger
@@ -54,6 +55,7 @@ class GGUFFacts:
     n_params: int = 0
     file_type: str = ""
     chat_template: str = ""
+    has_fim: bool = False    # vocab has fill-in-the-middle tokens (the ``insert`` capability)
 
     @classmethod
     def read(cls, path: Path) -> "GGUFFacts":
@@ -62,11 +64,14 @@ class GGUFFacts:
 
         r = GGUFReader(str(path), "r")
         kv: dict = {}
+        has_fim = any(k in r.fields for k in _FIM_KEYS)
         for name, f in r.fields.items():
             if name.startswith("GGUF."):
                 continue
             try:
                 t = f.types[0] if f.types else None
+                if name == "tokenizer.ggml.tokens" and not has_fim:
+                    has_fim = _vocab_has_fim(f)
                 if t == GGUFValueType.ARRAY:
                     if len(f.data) > 5 or name.startswith("tokenizer.ggml."):
                         kv[name] = None  # long arrays are emptied, as Ollama does without verbose
@@ -78,9 +83,51 @@ class GGUFFacts:
         ft = kv.get("general.file_type")
         facts = cls(architecture=str(kv.get("general.architecture", "")), kv=kv,
                     n_params=n_params, file_type=_FTYPES.get(ft, str(ft) if ft is not None else ""),
-                    chat_template=str(kv.get("tokenizer.chat_template") or ""))
+                    chat_template=str(kv.get("tokenizer.chat_template") or ""), has_fim=has_fim)
         kv.pop("tokenizer.chat_template", None)
         return facts
+
+
+# GGUF keys naming FIM tokens (llama.cpp llama-vocab.cpp LLM_KV_TOKENIZER_FIM_*_ID) and the
+# token texts llama.cpp recognises as FIM prefix/suffix/middle when those keys are absent.
+_FIM_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id")
+_FIM_TEXTS = {"<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "▁<PRE>", "<|fim_begin|>",
+              "<｜fim▁begin｜>", "<|fim▁begin|>"}
+
+
+def _vocab_has_fim(f) -> bool:
+    try:
+        return any(bytes(f.parts[i]).decode("utf-8", "replace") in _FIM_TEXTS for i in f.data)
+    except Exception:  # an odd vocab must not stop the gateway
+        return False
+
+
+#: Ollama's default keep_alive (envconfig KeepAlive: 5m).
+DEFAULT_KEEP_ALIVE_S = 300.0
+#: Go's max time.Duration from now: Ollama shows "forever" as a far-future expiry.
+FOREVER = datetime(2262, 4, 11, 23, 47, 16, tzinfo=timezone.utc)
+
+
+def capabilities(*, embeddings: bool, template: str, has_fim: bool, vision: bool) -> list[str]:
+    """Ollama capability names (types/model/capability.go) for a model as the gateway serves it.
+
+    ``embedding`` for ``embeddings: true`` models; otherwise ``completion``, plus ``tools`` when
+    the chat template mentions tools, ``insert`` when the vocab has FIM tokens, ``vision`` when
+    a projector (``--mmproj``) is configured, ``thinking`` when the template handles reasoning
+    (``<think>``, ``enable_thinking`` or ``reasoning_content``).
+    """
+    if embeddings:
+        return ["embedding"]
+    caps = ["completion"]
+    if "tools" in template:
+        caps.append("tools")
+    if has_fim:
+        caps.append("insert")
+    if vision:
+        caps.append("vision")
+    if any(k in template for k in ("<think>", "enable_thinking", "reasoning_content")):
+        caps.append("thinking")
+    return caps
 
 
 @dataclass
@@ -95,6 +142,28 @@ class ModelEntry:
     modified_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     embeddings: bool = False
     _digest: str | None = None
+    worker_template: str | None = None   # chat template a worker reported in /props, if asked
+    worker_vision: bool = False          # a worker reported modalities.vision in /props
+    last_used: datetime | None = None
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+
+    def touch(self, keep_alive_s: float | None) -> None:
+        """Record a request (Ollama ``keep_alive`` in seconds, None = default 5 m, < 0 = forever)."""
+        self.last_used = datetime.now().astimezone()
+        if keep_alive_s is not None:
+            self.keep_alive_s = keep_alive_s
+
+    def expires_at(self, loaded_at: datetime) -> datetime:
+        """Last request (or ``loaded_at``) + keep_alive; FOREVER for a negative keep_alive.
+
+        The gateway never unloads: this is the time Ollama would, as ``/api/ps`` shows it."""
+        if self.keep_alive_s < 0:
+            return FOREVER.astimezone()
+        base = self.last_used or loaded_at
+        try:
+            return base + timedelta(seconds=self.keep_alive_s)
+        except OverflowError:
+            return FOREVER.astimezone()
 
     @classmethod
     def load(cls, name: str, path: Path, aliases=(), embeddings: bool = False) -> "ModelEntry":
@@ -109,7 +178,7 @@ class ModelEntry:
     def digest(self) -> str:
         """Hex sha256 of the file, computed once (in a background thread at start-up)."""
         if self._digest is None:
-            self._digest = _sha256(self.path)
+            self._digest = cached_sha256(self.path)
         return self._digest
 
     def compute_digest_in_background(self) -> None:
@@ -138,6 +207,44 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _digest_cache_file() -> Path:
+    from workers.provision import cache_root
+    return cache_root() / "digests.json"
+
+
+_cache_lock = threading.Lock()
+
+
+def cached_sha256(path: Path, cache_file: Path | None = None) -> str:
+    """sha256 (hex) of ``path``, remembered in ``<cache>/digests.json`` keyed by
+    ``path|size|mtime_ns`` so a restart does not rehash large files; a changed file is rehashed."""
+    cache_file = cache_file or _digest_cache_file()
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    with _cache_lock:
+        try:
+            cache = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        if isinstance(cache.get(key), str):
+            return cache[key]
+    digest = _sha256(path)
+    with _cache_lock:
+        try:
+            cache = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        cache[key] = digest
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, cache_file)
+        except OSError as e:
+            log.warning("inventory.digest_cache_unwritable", path=str(cache_file), error=str(e))
+    return digest
+
+
 class Inventory:
     """All served models by name, case-insensitive, aliases included."""
 
@@ -164,5 +271,5 @@ def now_utc_z() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-__all__ = ["Inventory", "ModelEntry", "GGUFFacts", "full_name", "now_utc_z", "rfc3339"]
-_ = os
+__all__ = ["Inventory", "ModelEntry", "GGUFFacts", "capabilities", "cached_sha256", "full_name",
+           "now_utc_z", "rfc3339", "FOREVER"]

@@ -181,3 +181,33 @@ def gateway_factory(tmp_path):
 def gateway(gateway_factory):
     """The default test gateway: 2 CPU workers × 2 slots of the demo model."""
     return gateway_factory()
+
+
+@pytest.fixture(scope="module")
+def module_gateway_factory(tmp_path_factory):
+    """Like ``gateway_factory`` but module-scoped: one gateway shared by a test file.
+
+    ``factory(cfg)`` starts ``cfg`` (a ``base_config(...)`` dict) and waits for its workers;
+    teardown stops every gateway it started and checks that no worker is left running.
+    """
+    tmp_path = tmp_path_factory.mktemp("gw")
+    started: list[GatewayProc] = []
+
+    def factory(cfg: dict) -> GatewayProc:
+        gp = start_gateway(tmp_path, cfg)
+        started.append(gp)
+        return gp
+
+    yield factory
+    for gp in started:
+        pids = set()
+        try:
+            pids = {w["pid"] for w in gp.workers() if w.get("pid")}
+        except Exception:
+            pass
+        rc = gp.stop()
+        assert rc in (0, -9, 137), f"gateway exit status {rc}\n{gp.log_tail()}"
+        deadline = time.monotonic() + 10
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(p) for p in pids), "llama-server left running after gateway stop"

@@ -57,3 +57,18 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
 def t0_ns(request: web.Request) -> int:
     """Monotonic ns when the gateway received the request (set by middleware)."""
     return request.get("t0_ns") or time.monotonic_ns()
+
+
+async def start_stream(request: web.Request, content_type: str) -> web.StreamResponse:
+    """Start a 200 streamed response with the no-buffering headers (field case 19).
+
+    Chunked for HTTP/1.1 clients; an HTTP/1.0 client (nginx's default ``proxy_http_version``)
+    gets the body delimited by connection close, since it cannot read chunked encoding.
+    """
+    out = web.StreamResponse(status=200, headers={"Content-Type": content_type, **STREAM_HEADERS})
+    if request.version >= (1, 1):
+        out.enable_chunked_encoding()
+    else:
+        out.force_close()
+    await out.prepare(request)
+    return out

@@ -4,39 +4,60 @@
 Handlers translate and nothing more: parse → ticket → ``Upstream.request`` → fold the SSE
 events (``ollama_mapping.StreamState``) → NDJSON lines, or one JSON object for ``stream:false``.
 Shapes follow Ollama's api/types.go and routes.go (see shared/reference/ollama-api.md).
+
+``/api/generate`` renders its prompt as Ollama does for native models: the chat template via
+the worker's ``/apply-template`` (skipped for ``raw``), an incoming ``context`` detokenized and
+prepended, then ``/completion`` (``/infill`` with ``suffix``); the final chunk's ``context`` is
+``/tokenize`` of rendered prompt + response. ``/api/chat`` goes to ``/v1/chat/completions``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 
 import orjson
 from aiohttp import web
 
 from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout
-from gateway.api.common import STREAM_HEADERS, make_ticket, read_json, t0_ns
+from gateway.api.capabilities import model_capabilities, require
+from gateway.api.common import make_ticket, read_json, start_stream, t0_ns
 from gateway.api.errors import BUSY_MESSAGE, ApiError, ollama_error
-from gateway.api.ollama_mapping import StreamState, map_options
+from gateway.api.ollama_mapping import (
+    CONTEXT_OVERFLOW_MESSAGE,
+    StreamState,
+    format_fields,
+    is_unload,
+    map_options,
+    parse_keep_alive,
+    parse_logprobs,
+    parse_think,
+    tool_call_out,
+)
 from gateway.inventory import ModelEntry, now_utc_z
 from gateway.logs import get_logger
 from gateway.upstream import UpstreamError, iter_sse
+from gateway.worker_calls import apply_template, detokenize, tokenize
 
 log = get_logger("gateway.api.ollama")
 
 # The Ollama version this API corresponds to (clients such as Open WebUI read /api/version).
 OLLAMA_COMPAT_VERSION = "0.12.6"
-# Ollama's "forever" keep-alive shows as this far-future expiry; the gateway keeps models loaded.
-_FOREVER = datetime(2262, 4, 11, 23, 47, 16, tzinfo=timezone.utc)
+# When this gateway module was loaded: the "load time" of models no request has touched yet.
+_STARTED_AT = datetime.now().astimezone()
+# llama-server's default multimodal marker (mtmd_default_marker) for images in a /completion prompt.
+MEDIA_MARKER = "<__media__>"
 
 
 def _gw(request: web.Request):
     return request.app["gw"]
 
 
-def _resolve(request: web.Request, body: dict, *, missing_status: int) -> ModelEntry:
+def resolve_model(request: web.Request, body: dict, *, missing_status: int) -> ModelEntry:
+    """The served model named by ``body["model"]``. Raises ApiError: 404 ``model '' not found``
+    (generate/embed style) or 400 ``model is required`` (chat/show style) when it is missing,
+    404 ``model '<name>' not found`` when it is not served."""
     name = body.get("model")
     if name is None or name == "":
         if missing_status == 404:
@@ -67,26 +88,34 @@ def _sampling(request: web.Request, body: dict) -> dict:
     return out
 
 
-def _format_fields(fmt, chat: bool) -> dict:
-    """Ollama ``format`` → llama-server constraint fields (Ollama runner mapping)."""
-    if fmt is None or fmt == "":
-        return {}
-    if fmt == "json":
-        return {"response_format": {"type": "json_object"}}
-    if isinstance(fmt, dict):
-        return {"response_format": {"type": "json_schema",
-                                    "json_schema": {"name": "schema", "schema": fmt}}}
-    raise ApiError(400, f'invalid format: {orjson.dumps(fmt).decode()}; expected "json" or a '
-                        f'valid JSON Schema object')
+def _images(value, where: str) -> list[str]:
+    """Base64 image strings (Ollama ``images``); ApiError(400) on anything else."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(i, str) and i for i in value):
+        raise ApiError(400, f"{where} must be a list of base64 strings")
+    return value
 
 
-def _messages(body: dict) -> list[dict]:
+def _image_mime(b64: str) -> str:
+    head = b64[:16]
+    if head.startswith("iVBOR"):
+        return "image/png"
+    if head.startswith("R0lG"):
+        return "image/gif"
+    if head.startswith("UklG"):
+        return "image/webp"
+    return "image/jpeg"
+
+
+def _messages(body: dict) -> tuple[list[dict], bool]:
+    """Ollama chat messages → OpenAI-style messages for llama-server; also whether any image came."""
     msgs = body.get("messages")
     if msgs is None:
-        return []
+        return [], False
     if not isinstance(msgs, list):
         raise ApiError(400, "messages must be a list")
-    out = []
+    out, any_image = [], False
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object")
@@ -98,28 +127,77 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string")
-        msg = {"role": role.lower(), "content": content}
+        images = _images(m.get("images"), f"messages[{i}].images")
+        msg: dict = {"role": role.lower(), "content": content}
+        if images:
+            any_image = True
+            msg["content"] = [{"type": "text", "text": content}] + [
+                {"type": "image_url", "image_url": {"url": f"data:{_image_mime(b)};base64,{b}"}}
+                for b in images]
         if m.get("tool_calls"):
             msg["tool_calls"] = [
                 {"id": tc.get("id") or f"call_{i}_{j}", "type": "function",
                  "function": {"name": (tc.get("function") or {}).get("name", ""),
-                              "arguments": orjson.dumps((tc.get("function") or {}).get("arguments", {})).decode()}}
+                              "arguments": _args_text((tc.get("function") or {}).get("arguments"))}}
                 for j, tc in enumerate(m["tool_calls"]) if isinstance(tc, dict)]
         if m.get("tool_name"):
             msg["name"] = m["tool_name"]
         if m.get("tool_call_id"):
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
-    return out
+    return out, any_image
+
+
+def _args_text(args) -> str:
+    """Ollama tool-call ``arguments`` (an object) → the JSON string llama-server expects."""
+    if isinstance(args, str):
+        return args
+    return orjson.dumps(args if args is not None else {}).decode()
+
+
+def _think_kwargs(think) -> dict:
+    """Ollama runner: ``think`` → ``chat_template_kwargs {enable_thinking, reasoning_effort?}``."""
+    if think is None:
+        return {}
+    kw: dict = {"enable_thinking": think is not False}
+    if isinstance(think, str):
+        kw["reasoning_effort"] = think
+    return {"chat_template_kwargs": kw}
+
+
+async def _common_checks(request: web.Request, body: dict, entry: ModelEntry, kind: str):
+    """Validation shared by generate and chat; returns (think, logprobs, top_logprobs, keep_alive_s)."""
+    keep_alive = parse_keep_alive(body.get("keep_alive"))
+    think = parse_think(body.get("think"))
+    lp, top = parse_logprobs(body)
+    gw = _gw(request)
+    await require(gw, entry, kind, body["model"])
+    if think is not None and think is not False:
+        await require(gw, entry, "thinking", body["model"])
+    return think, lp, top, keep_alive
+
+
+def _done_only(entry: ModelEntry, name: str, keep_alive: float | None, chat: bool) -> web.Response:
+    """Ollama's answer to an empty prompt / empty messages: load (or unload with keep_alive 0)."""
+    reason = "unload" if is_unload(keep_alive) else "load"
+    entry.touch(keep_alive)
+    obj = {"model": name, "created_at": now_utc_z()}
+    if chat:
+        obj["message"] = {"role": "assistant", "content": ""}
+    else:
+        obj["response"] = ""
+    obj.update(done=True, done_reason=reason)
+    return web.json_response(obj, dumps=_dumps)
 
 
 async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_body: dict,
                  stream: bool, chunk, final):
     """Run one generation on a leased worker and answer in Ollama's shape.
 
-    ``chunk(st, content, thinking) -> dict|None`` builds a ``done:false`` object for a piece;
-    ``final(st) -> dict`` the ``done:true`` object. Errors before the first byte are HTTP
-    errors; after it, an ``{"error": …}`` line ends the stream (Ollama routes.go streamResponse).
+    ``chunk(st, content, thinking) -> dict`` builds a ``done:false`` object for a piece;
+    ``final(st) -> dict`` (may be a coroutine) the ``done:true`` object. Errors before the first
+    byte are HTTP errors; after it, an ``{"error": …}`` line ends the stream (Ollama routes.go
+    streamResponse).
     """
     gw = _gw(request)
     mcfg = gw.model_config(entry.name)
@@ -142,7 +220,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                 if content or thinking:
                     if stream:
                         if out is None:
-                            out = await _prepare_ndjson(request)
+                            out = await prepare_ndjson(request)
                         obj = chunk(st, content, thinking)
                         await out.write(orjson.dumps(obj) + b"\n")
                     else:
@@ -155,84 +233,114 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
         return ollama_error(503, "server busy, please try again.  timed out waiting for a free slot",
                             {"Retry-After": str(gw.config.queue.retry_after_s)})
     except UpstreamError as e:
-        st.error = e.message
-        if out is None:
-            status = 400 if e.status == 400 else (e.status if e.status in (502, 503, 504) else 500)
-            return ollama_error(status, e.message)
+        st.error, st.error_status = upstream_error_text(e)
     if st.error:
+        log.warning("request.upstream_error", request_id=request.get("request_id"),
+                    worker=request.get("worker"), error=st.error, streamed=out is not None)
         if out is None:
-            return ollama_error(500, st.error)
+            return ollama_error(st.error_status, st.error)
         await out.write(orjson.dumps({"error": st.error}) + b"\n")
         await out.write_eof()
         return out
     obj = final(st)
+    if hasattr(obj, "__await__"):
+        try:
+            obj = await obj
+        except UpstreamError as e:  # e.g. /tokenize for ``context`` failed
+            msg, status = upstream_error_text(e)
+            if out is None:
+                return ollama_error(status, msg)
+            await out.write(orjson.dumps({"error": msg}) + b"\n")
+            await out.write_eof()
+            return out
     request["eval_count"] = obj.get("eval_count")
     if not stream:
         return web.Response(body=orjson.dumps(obj), content_type="application/json")
     if out is None:
-        out = await _prepare_ndjson(request)
+        out = await prepare_ndjson(request)
     await out.write(orjson.dumps(obj) + b"\n")
     await out.write_eof()
     return out
 
 
-async def _prepare_ndjson(request: web.Request) -> web.StreamResponse:
-    out = web.StreamResponse(status=200, headers={"Content-Type": "application/x-ndjson",
-                                                  **STREAM_HEADERS})
-    out.enable_chunked_encoding()
-    await out.prepare(request)
-    return out
+def upstream_error_text(e: UpstreamError) -> tuple[str, int]:
+    """An upstream failure as (Ollama message, status): an over-long prompt is 400 with Ollama's
+    runner text; other worker 4xx keep their status; transport faults 502/503/504; else 500."""
+    if e.kind == "exceed_context_size_error" or "exceeds the available context size" in e.message:
+        return CONTEXT_OVERFLOW_MESSAGE, 400
+    if 400 <= e.status < 500 or e.status in (502, 503, 504):
+        return e.message, e.status
+    return e.message, 500
+
+
+async def prepare_ndjson(request: web.Request) -> web.StreamResponse:
+    """Start a 200 ``application/x-ndjson`` chunked stream with the no-buffering headers."""
+    return await start_stream(request, "application/x-ndjson")
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    entry = _resolve(request, body, missing_status=400)
+    entry = resolve_model(request, body, missing_status=400)
     stream = _stream_flag(body)
-    msgs = _messages(body)
+    msgs, any_image = _messages(body)
+    think, lp, top, keep_alive = await _common_checks(request, body, entry, "chat")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list")
+    gw = _gw(request)
+    if tools:
+        await require(gw, entry, "tools", body["model"])
+    if any_image:
+        await require(gw, entry, "vision", body["model"])
+    name = body["model"]
     if not msgs:
-        reason = "unload" if body.get("keep_alive") in (0, "0", "0s") else "load"
-        return web.json_response({"model": entry.name, "created_at": now_utc_z(),
-                                  "message": {"role": "assistant", "content": ""},
-                                  "done": True, "done_reason": reason}, dumps=_dumps)
+        return _done_only(entry, name, keep_alive, chat=True)
+    entry.touch(keep_alive)
     up = {"model": entry.name, "messages": msgs, "stream": True,
           "stream_options": {"include_usage": True}, **_sampling(request, body),
-          **_format_fields(body.get("format"), chat=True)}
-    if body.get("tools"):
-        up["tools"] = body["tools"]
-    name = body.get("model")
+          **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}
+    if lp or top:
+        up["logprobs"] = True
+        up["top_logprobs"] = max(top, 1)  # as Ollama's runner: llama-server needs >= 1
+    if tools:
+        up["tools"] = tools
 
     def chunk(st, content, thinking):
         msg = {"role": "assistant", "content": content}
         if thinking:
             msg["thinking"] = thinking
-        return {"model": name, "created_at": now_utc_z(), "message": msg, "done": False}
+        obj = {"model": name, "created_at": now_utc_z(), "message": msg, "done": False}
+        if lp or top:
+            obj["logprobs"] = st.take_logprobs(top)
+        return obj
 
     def final(st):
         msg = {"role": "assistant", "content": "".join(st.content)}
         if st.thinking:
             msg["thinking"] = "".join(st.thinking)
         if st.tool_calls:
-            msg["tool_calls"] = [_tool_call(i, tc) for i, tc in sorted(st.tool_calls.items())]
-        return {"model": name, "created_at": now_utc_z(), "message": msg, "done": True,
-                "done_reason": st.done_reason or "stop", **st.metrics()}
+            msg["tool_calls"] = [tool_call_out(i, tc) for i, tc in sorted(st.tool_calls.items())]
+        obj = {"model": name, "created_at": now_utc_z(), "message": msg, "done": True,
+               "done_reason": st.done_reason or "stop", **st.metrics()}
+        if lp or top:
+            obj["logprobs"] = st.take_logprobs(top)
+        return obj
 
     return await _relay(request, entry, "/v1/chat/completions", up, stream, chunk, final)
 
 
-def _tool_call(index: int, tc: dict) -> dict:
-    try:
-        args = orjson.loads(tc["arguments"]) if tc["arguments"] else {}
-    except orjson.JSONDecodeError:
-        args = {"_raw": tc["arguments"]}
-    out = {"function": {"index": index, "name": tc["name"], "arguments": args}}
-    if tc.get("id"):
-        out["id"] = tc["id"]
-    return out
+def _context_tokens(value) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in value):
+        raise ApiError(400, "context must be a list of integers")
+    return value
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    entry = _resolve(request, body, missing_status=404)
+    entry = resolve_model(request, body, missing_status=404)
     stream = _stream_flag(body)
     prompt = body.get("prompt", "")
     if prompt is None:
@@ -240,45 +348,82 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string")
     system = body.get("system") or ""
-    raw = bool(body.get("raw"))
-    if raw and (system or body.get("template") or body.get("context")):
+    suffix = body.get("suffix") or ""
+    if not isinstance(system, str) or not isinstance(suffix, str):
+        raise ApiError(400, "system and suffix must be strings")
+    raw = body.get("raw") or False
+    if not isinstance(raw, bool):
+        raise ApiError(400, "raw must be a boolean")
+    context = _context_tokens(body.get("context"))
+    if raw and (system or body.get("template") or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
-    name = body.get("model")
-    if not prompt:
-        reason = "unload" if body.get("keep_alive") in (0, "0", "0s") else "load"
-        return web.json_response({"model": name, "created_at": now_utc_z(), "response": "",
-                                  "done": True, "done_reason": reason}, dumps=_dumps)
+    images = _images(body.get("images"), "images")
+    think, lp, top, keep_alive = await _common_checks(request, body, entry, "generate")
+    gw = _gw(request)
+    if suffix:
+        await require(gw, entry, "insert", body["model"])
+    if images:
+        await require(gw, entry, "vision", body["model"])
+    name = body["model"]
+    if not prompt and not suffix:
+        return _done_only(entry, name, keep_alive, chat=False)
+    entry.touch(keep_alive)
     sampling = _sampling(request, body)
-    if raw:
-        path = "/completion"
-        up = {"prompt": prompt, "stream": True, "cache_prompt": True, **sampling}
-        fmt = _format_fields(body.get("format"), chat=False).get("response_format")
-        if fmt is not None:
-            if fmt["type"] == "json_object":
-                up["json_schema"] = {}
-            else:
-                up["json_schema"] = fmt["json_schema"]["schema"]
+    try:
+        rendered = prompt
+        if not raw and not suffix:
+            msgs = ([{"role": "system", "content": system}] if system else []) + \
+                [{"role": "user", "content": prompt}]
+            rendered = await apply_template(gw, entry.name, msgs, **_think_kwargs(think))
+        if context:
+            rendered = await detokenize(gw, entry.name, context) + rendered
+    except UpstreamError as e:
+        msg, status = upstream_error_text(e)
+        return ollama_error(status, msg)
+    up: dict = {"stream": True, "cache_prompt": True, **sampling,
+                **format_fields(body.get("format"), chat=False)}
+    if lp or top:
+        up["n_probs"] = max(top, 1)
+    if suffix:
+        path = "/infill"
+        up.update(input_prefix=rendered, input_suffix=suffix, prompt="")
     else:
-        path = "/v1/chat/completions"
-        msgs = ([{"role": "system", "content": system}] if system else []) + \
-            [{"role": "user", "content": prompt}]
-        up = {"model": entry.name, "messages": msgs, "stream": True,
-              "stream_options": {"include_usage": True}, **sampling,
-              **_format_fields(body.get("format"), chat=True)}
+        path = "/completion"
+        if images:
+            up["prompt"] = {"prompt_string": MEDIA_MARKER * len(images) + rendered,
+                            "multimodal_data": images}
+        else:
+            up["prompt"] = rendered
 
     def chunk(st, content, thinking):
         obj = {"model": name, "created_at": now_utc_z(), "response": content, "done": False}
         if thinking:
             obj["thinking"] = thinking
+        if lp or top:
+            obj["logprobs"] = st.take_logprobs(top)
         return obj
 
-    def final(st):
-        obj = {"model": name, "created_at": now_utc_z(), "response": "".join(st.content),
-               "done": True, "done_reason": st.done_reason or "stop", **st.metrics()}
+    async def final(st):
+        response = "".join(st.content)
+        obj = {"model": name, "created_at": now_utc_z(), "response": "",
+               "done": True, "done_reason": st.done_reason or "stop"}
+        if not stream:
+            obj["response"] = response
         if st.thinking:
             obj["thinking"] = "".join(st.thinking)
+        if not raw:
+            obj["context"] = await tokenize(gw, entry.name, rendered + response)
+        obj.update(st.metrics())
+        if lp or top:
+            obj["logprobs"] = st.take_logprobs(top)
         return obj
 
+    if stream:
+        # The final object needs the whole response for ``context``: keep the pieces.
+        def chunk_keep(st, content, thinking):
+            st.content.append(content)
+            return chunk(st, content, thinking)
+        return await _relay(request, entry, path, up, stream, chunk_keep, final)
     return await _relay(request, entry, path, up, stream, chunk, final)
 
 
@@ -288,27 +433,37 @@ def _dumps(obj) -> str:
 
 async def tags(request: web.Request) -> web.Response:
     gw = _gw(request)
-    models = [{"name": e.name, "model": e.name, "modified_at": e.modified_at.isoformat(),
-               "size": e.size, "digest": e.digest, "details": e.details()}
-              for e in gw.inventory.entries]
+    models = []
+    for e in gw.inventory.entries:
+        models.append({"name": e.name, "model": e.name, "modified_at": e.modified_at.isoformat(),
+                       "size": e.size, "digest": e.digest, "details": e.details(),
+                       "capabilities": await model_capabilities(gw, e)})
     return web.json_response({"models": models}, dumps=_dumps)
 
 
 async def ps(request: web.Request) -> web.Response:
+    """Every served model (the gateway keeps them loaded), sorted by ``expires_at`` descending.
+
+    ``expires_at`` = last request + its ``keep_alive`` (Ollama's unload time; the gateway does
+    not unload), far future for a negative keep_alive. ``size_vram`` is 0 for CPU workers, else
+    the file size per GPU worker. ``context_length`` is the per-slot context read from ``/slots``.
+    """
     gw = _gw(request)
     models = []
     for e in gw.inventory.entries:
         workers = [w for w in gw.fleet.supervisors.values() if w.spec.alias == e.name]
+        gpu_workers = [w for w in workers if w.spec.gpus]
         models.append({
             "name": e.name, "model": e.name, "size": e.size, "digest": e.digest,
             "details": e.details(with_parent=False),
-            "expires_at": _FOREVER.astimezone().isoformat(),
-            "size_vram": 0 if all(not w.spec.gpus for w in workers) else e.size * len(workers),
+            "expires_at": e.expires_at(_STARTED_AT).isoformat(),
+            "size_vram": e.size * len(gpu_workers),
             "context_length": gw.context_per_slot(e.name),
             "workers": [{"id": w.id, "state": w.state, "detail": w.detail,
                          "gpus": list(w.spec.gpus), "slots": w.spec.slots,
                          "restarts": w.restarts} for w in workers],
         })
+    models.sort(key=lambda m: m["expires_at"], reverse=True)
     return web.json_response({"models": models}, dumps=_dumps)
 
 
@@ -317,20 +472,38 @@ async def version(request: web.Request) -> web.Response:
                               "gateway": f"llama-gateway {__version__}"}, dumps=_dumps)
 
 
+def _model_info(entry: ModelEntry, ctx: int) -> dict:
+    """GGUF key/values as Ollama's ``model_info`` (long arrays emptied, as without ``verbose``);
+    always includes ``general.architecture``, ``general.parameter_count`` and the context length."""
+    mi = {k: v for k, v in entry.facts.kv.items() if v is not None and not k.startswith("tokenizer.chat")}
+    arch = entry.facts.architecture or "unknown"
+    mi["general.architecture"] = arch
+    mi["general.parameter_count"] = entry.facts.n_params
+    mi.setdefault(f"{arch}.context_length", entry.context_length or ctx)
+    return mi
+
+
 async def show(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not body.get("model") and body.get("name"):
         body["model"] = body["name"]
-    entry = _resolve(request, body, missing_status=400)
+    entry = resolve_model(request, body, missing_status=400)
     gw = _gw(request)
-    mi = dict(entry.facts.kv)
     ctx = gw.context_per_slot(entry.name)
-    caps = ["embedding"] if entry.embeddings else ["completion"]
+    caps = await model_capabilities(gw, entry)
+    template = entry.worker_template if entry.worker_template is not None else entry.facts.chat_template
+    mcfg = gw.model_config(entry.name)
+    params = [f"num_ctx                        {ctx}"]
+    if gw.config.generation.num_predict_default != -1:
+        params.append(f"num_predict                    {gw.config.generation.num_predict_default}")
+    args = " ".join(mcfg.args) if mcfg and mcfg.args else ""
     return web.json_response({
-        "license": "", "modelfile": f"# served by llama-gateway\nFROM {entry.path}\n",
-        "parameters": f"num_ctx                        {ctx}",
-        "template": entry.facts.chat_template, "details": entry.details(),
-        "model_info": mi, "capabilities": caps,
+        "license": str(entry.facts.kv.get("general.license") or ""),
+        "modelfile": f"# served by llama-gateway from gateway.yaml\nFROM {entry.path}\n"
+                     + (f"# llama-server args: {args}\n" if args else ""),
+        "parameters": "\n".join(params),
+        "template": template, "system": "", "details": entry.details(),
+        "model_info": _model_info(entry, ctx), "capabilities": caps,
         "modified_at": entry.modified_at.isoformat(),
     }, dumps=_dumps)
 
@@ -347,6 +520,3 @@ def routes() -> list[web.RouteDef]:
         web.get("/api/tags", tags), web.get("/api/ps", ps), web.get("/api/version", version),
         web.post("/api/show", show),
     ]
-
-
-_ = (asyncio, timedelta)

@@ -11,8 +11,11 @@ non-streaming share this code: non-streaming is the stream collected.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
+
+import orjson
 
 from gateway.api.errors import ApiError
 
@@ -30,6 +33,10 @@ _BOOL = {"use_mmap", "numa", "penalize_newline"}
 # Process-level options: accepted (as Ollama accepts them) but they cannot change a running worker.
 _PROCESS_LEVEL = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap",
                   "draft_num_predict"}
+# Ollama runner text for a prompt that does not fit (context shift off), shared/reference A10.
+CONTEXT_OVERFLOW_MESSAGE = ("the prompt is longer than the context length currently available to the "
+                            "model; shorten the prompt, adjust the context length in settings, or use "
+                            "a model with a longer context length")
 # llama-server field name for each forwarded option.
 _RENAME = {"num_keep": "n_keep", "num_predict": "n_predict"}
 
@@ -106,15 +113,19 @@ class StreamState:
     thinking: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict] = field(default_factory=dict)
     error: str | None = None
+    error_status: int = 500
+    logprobs: list[dict] = field(default_factory=list)   # Ollama-shaped, pending for the next chunk
 
     # --- folding one upstream event -------------------------------------------------------
     def fold_completion(self, ev: dict) -> str:
         """A ``/completion`` chunk; returns the content piece. ``stop_type`` gives done_reason
         (``limit`` → ``length``, ``eos``/``word`` → ``stop``; server-task.cpp)."""
         if "error" in ev:
-            self.error = _err_text(ev["error"])
+            self._fold_error(ev["error"])
             return ""
         piece = ev.get("content") or ""
+        if ev.get("completion_probabilities"):
+            self.logprobs.extend(ollama_logprobs(ev["completion_probabilities"]))
         if ev.get("stop"):
             st = ev.get("stop_type")
             self.done_reason = "length" if st == "limit" else "stop"
@@ -124,7 +135,7 @@ class StreamState:
     def fold_chat(self, ev: dict) -> tuple[str, str]:
         """A ``/v1/chat/completions`` chunk; returns (content, thinking) pieces."""
         if "error" in ev:
-            self.error = _err_text(ev["error"])
+            self._fold_error(ev["error"])
             return "", ""
         if ev.get("timings"):
             self.timings = ev["timings"]
@@ -135,6 +146,8 @@ class StreamState:
             return "", ""
         ch = choices[0]
         delta = ch.get("delta") or ch.get("message") or {}
+        if (ch.get("logprobs") or {}).get("content"):
+            self.logprobs.extend(ollama_logprobs(ch["logprobs"]["content"]))
         for tc in delta.get("tool_calls") or ():
             slot = self.tool_calls.setdefault(tc.get("index", len(self.tool_calls)),
                                               {"id": "", "name": "", "arguments": ""})
@@ -146,6 +159,20 @@ class StreamState:
         if fr:
             self.done_reason = "length" if fr == "length" else "stop"
         return delta.get("content") or "", delta.get("reasoning_content") or ""
+
+    def _fold_error(self, err) -> None:
+        self.error = _err_text(err)
+        if isinstance(err, dict) and err.get("type") == "exceed_context_size_error":
+            self.error, self.error_status = CONTEXT_OVERFLOW_MESSAGE, 400
+
+    def take_logprobs(self, top: int = 20) -> list[dict]:
+        """The logprobs gathered since the last call; ``top_logprobs`` dropped when ``top`` is 0
+        (upstream is always asked for at least one alternative)."""
+        out, self.logprobs = self.logprobs, []
+        if top == 0:
+            for e in out:
+                e.pop("top_logprobs", None)
+        return out
 
     # --- Ollama final fields ------------------------------------------------------------------
     def metrics(self) -> dict:
@@ -176,3 +203,134 @@ def _err_text(err) -> str:
     if isinstance(err, dict):
         return str(err.get("message") or err)
     return str(err)
+
+
+# --- request field validation (Ollama api/types.go, routes.go) ---------------------------------
+
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+             "h": 3600.0}
+_GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def parse_go_duration(text: str) -> float:
+    """Go ``time.ParseDuration`` → seconds (``"5m"``, ``"1h30m"``, ``"-1s"``, ``"0"``).
+    Raises ValueError on anything else."""
+    s = text.strip()
+    sign = 1.0
+    if s[:1] in "+-" and s:
+        sign, s = (-1.0 if s[0] == "-" else 1.0), s[1:]
+    if s == "0":
+        return 0.0
+    if not s:
+        raise ValueError(text)
+    pos, total = 0, 0.0
+    for m in _GO_DURATION.finditer(s):
+        if m.start() != pos:
+            raise ValueError(text)
+        total += float(m.group(1)) * _GO_UNITS[m.group(2)]
+        pos = m.end()
+    if pos != len(s):
+        raise ValueError(text)
+    return sign * total
+
+
+def parse_keep_alive(value) -> float | None:
+    """Ollama ``keep_alive`` → seconds (None when absent). A number is seconds, a string a Go
+    duration; negative means forever (types.go ``Duration.UnmarshalJSON``).
+    Raises ApiError(400) ``invalid keep_alive: …`` otherwise (Ollama: ``Unsupported type`` /
+    ``time: invalid duration``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ApiError(400, f"invalid keep_alive: unsupported type {type(value).__name__}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return parse_go_duration(value)
+        except ValueError:
+            raise ApiError(400, f'invalid keep_alive: time: invalid duration "{value}"') from None
+    raise ApiError(400, "invalid keep_alive: unsupported type")
+
+
+def is_unload(keep_alive_s: float | None) -> bool:
+    return keep_alive_s is not None and keep_alive_s == 0
+
+
+THINK_LEVELS = ("low", "medium", "high", "max")
+
+
+def parse_think(value) -> bool | str | None:
+    """Ollama ``think``: bool or ``"low"|"medium"|"high"|"max"`` (types.go ``ThinkValue``).
+    ``"true"``/``"false"`` strings count as bools. Raises ApiError(400) ``invalid think value``."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if value in THINK_LEVELS:
+            return value
+        if value in ("true", "false"):
+            return value == "true"
+    raise ApiError(400, f"invalid think value: {orjson.dumps(value).decode()} "
+                        f'(must be a boolean or "low", "medium", "high", "max")')
+
+
+def parse_logprobs(body: dict) -> tuple[bool, int]:
+    """(``logprobs``, ``top_logprobs``); top_logprobs outside 0..20 → ApiError(400) with Ollama's
+    text ``top_logprobs must be between 0 and 20``."""
+    lp = body.get("logprobs") or False
+    if not isinstance(lp, bool):
+        raise ApiError(400, "logprobs must be a boolean")
+    top = body.get("top_logprobs") or 0
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+        raise ApiError(400, "top_logprobs must be between 0 and 20")
+    return lp, top
+
+
+def format_fields(fmt, *, chat: bool) -> dict:
+    """Ollama ``format`` → llama-server fields (Ollama runner mapping): ``"json"`` →
+    ``response_format json_object`` (chat) / ``json_schema {}`` (/completion); a schema object →
+    ``response_format json_schema`` / ``json_schema``. Raises ApiError(400) otherwise."""
+    if fmt is None or fmt == "":
+        return {}
+    if fmt == "json":
+        return {"response_format": {"type": "json_object"}} if chat else {"json_schema": {}}
+    if isinstance(fmt, dict):
+        if chat:
+            return {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "schema", "schema": fmt}}}
+        return {"json_schema": fmt}
+    raise ApiError(400, f'invalid format: {orjson.dumps(fmt).decode()}; expected "json" or a '
+                        f'valid JSON Schema object')
+
+
+def ollama_logprobs(items: list[dict]) -> list[dict]:
+    """llama-server ``completion_probabilities`` / chat ``logprobs.content`` entries → Ollama
+    ``logprobs`` entries ``{token, logprob, bytes, top_logprobs:[{token, logprob, bytes}]}``."""
+    out = []
+    for it in items or ():
+        e = {"token": it.get("token", ""), "logprob": float(it.get("logprob", 0.0))}
+        if it.get("bytes") is not None:
+            e["bytes"] = it["bytes"]
+        tops = it.get("top_logprobs")
+        if tops:
+            e["top_logprobs"] = [{"token": t.get("token", ""), "logprob": float(t.get("logprob", 0.0)),
+                                  **({"bytes": t["bytes"]} if t.get("bytes") is not None else {})}
+                                 for t in tops]
+        out.append(e)
+    return out
+
+
+def tool_call_out(index: int, tc: dict) -> dict:
+    """A gathered streamed tool call ``{id, name, arguments:<JSON string>}`` → Ollama's
+    ``{"id"?, "function": {"index", "name", "arguments": {object}}}``. Arguments that are not a
+    JSON object are kept as ``{"_raw": text}`` (clients require an object)."""
+    try:
+        args = orjson.loads(tc["arguments"]) if tc["arguments"] else {}
+    except orjson.JSONDecodeError:
+        args = {"_raw": tc["arguments"]}
+    if not isinstance(args, dict):
+        args = {"_raw": tc["arguments"]}
+    out = {"function": {"index": index, "name": tc["name"], "arguments": args}}
+    if tc.get("id"):
+        out["id"] = tc["id"]
+    return out

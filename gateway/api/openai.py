@@ -1,8 +1,8 @@
 """OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
 llama-server already speaks this dialect, so completions are relayed: the request body goes up
-with the model name canonicalised, and the SSE stream comes back byte for byte (no re-encoding
-on the hot path). Errors use the OpenAI error object (Ollama openai.NewError shape).
+with the model name canonicalised; a non-streamed answer comes back as is, a stream is relayed
+event by event with usage normalised (see ``_relay_stream``). Errors use the OpenAI error object (Ollama openai.NewError shape).
 """
 
 from __future__ import annotations
@@ -11,9 +11,12 @@ import orjson
 from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout
-from gateway.api.common import STREAM_HEADERS, make_ticket, read_json
+from gateway.api.common import make_ticket, read_json, start_stream
 from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
-from gateway.upstream import UpstreamError
+from gateway.logs import get_logger
+from gateway.upstream import UpstreamError, iter_sse
+
+log = get_logger("gateway.api.openai")
 
 
 def _gw(request: web.Request):
@@ -34,11 +37,15 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     if required == "messages" and (not isinstance(body["messages"], list) or not body["messages"]):
         raise ApiError(400, "[] is too short - 'messages'")
     stream = body.get("stream") is True
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise ApiError(400, "stream_options must be an object")
+    include_usage = bool((so or {}).get("include_usage"))
     body["model"] = entry.name
-    gen = gw.config.generation
-    mt = body.get("max_tokens", body.get("max_completion_tokens"))
-    if gen.num_predict_max is not None and (not isinstance(mt, int) or mt < 0 or mt > gen.num_predict_max):
-        body["max_tokens"] = gen.num_predict_max
+    if stream:  # always ask upstream; what the client sees is decided in _relay_stream
+        body["stream_options"] = {**(so or {}), "include_usage": True}
+    _bound_max_tokens(gw, body)
+    entry.touch(None)
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s)
     retry = {"Retry-After": str(gw.config.queue.retry_after_s)}
@@ -49,27 +56,62 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
             if not stream:
                 data = await resp.read()
                 return web.Response(body=data, content_type="application/json")
-            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                          **STREAM_HEADERS})
-            out.enable_chunked_encoding()
-            await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
+            out = await start_stream(request, "text/event-stream")
+            await _relay_stream(resp, out, include_usage)
     except QueueFull:
         return openai_error(503, BUSY_MESSAGE, retry)
     except QueueTimeout:
         return openai_error(503, "server busy, please try again.  timed out waiting for a free slot", retry)
     except UpstreamError as e:
+        status = 400 if e.kind == "exceed_context_size_error" else (
+            e.status if 400 <= e.status < 500 or e.status in (502, 503, 504) else 500)
+        log.warning("request.upstream_error", request_id=request.get("request_id"),
+                    worker=request.get("worker"), error=e.message, streamed=out is not None)
         if out is None:
-            return openai_error(e.status if e.status in (400, 502, 503, 504) else 500, e.message)
-        await out.write(b"data: " + orjson.dumps(openai_error_body(e.status, e.message)) + b"\n\n")
-    except Exception as e:  # the upstream stream broke mid-way
-        import aiohttp
-        if out is None or not isinstance(e, (aiohttp.ClientError,)):
-            raise
-        await out.write(b"data: " + orjson.dumps(openai_error_body(502, f"worker stream broke: {e}")) + b"\n\n")
+            return openai_error(status, e.message)
+        await out.write(_sse(openai_error_body(status, e.message)))
     await out.write_eof()
     return out
+
+
+def _bound_max_tokens(gw, body: dict) -> None:
+    """``max_tokens`` (or ``max_completion_tokens``) bounded by config.generation: the default
+    when absent, the maximum when over it or unbounded."""
+    gen = gw.config.generation
+    key = "max_completion_tokens" if "max_completion_tokens" in body and "max_tokens" not in body \
+        else "max_tokens"
+    mt = body.get(key)
+    if mt is None and gen.num_predict_default > 0:
+        body[key] = mt = gen.num_predict_default
+    if gen.num_predict_max is not None and (not isinstance(mt, int) or mt < 0 or mt > gen.num_predict_max):
+        body[key] = gen.num_predict_max
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _relay_stream(resp, out: web.StreamResponse, include_usage: bool) -> None:
+    """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
+    with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
+    it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
+    itself, which is split off here. An upstream ``{"error": …}`` event ends the stream
+    (raised as UpstreamError so the caller writes an OpenAI error event)."""
+    async for data in iter_sse(resp):
+        ev = orjson.loads(data)
+        if "error" in ev:
+            err = ev["error"]
+            msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            kind = err.get("type", "") if isinstance(err, dict) else ""
+            code = err.get("code", 500) if isinstance(err, dict) else 500
+            raise UpstreamError(code if isinstance(code, int) else 500, msg, kind)
+        usage = ev.pop("usage", None)
+        if ev.get("choices"):
+            await out.write(_sse(ev))
+        if usage is not None and include_usage:
+            await out.write(_sse({k: v for k, v in ev.items() if k not in ("choices", "timings")}
+                                 | {"choices": [], "usage": usage}))
+    await out.write(b"data: [DONE]\n\n")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -1,0 +1,210 @@
+"""Embedding routes: Ollama ``/api/embed`` and legacy ``/api/embeddings``, OpenAI ``/v1/embeddings``.
+
+Each input is its own ticket/lease (so a batch spreads over workers) and its own upstream
+``POST /v1/embeddings {"input": text}`` (as Ollama's runner does, one request per text);
+results are gathered in input order. Vectors are L2-normalised again here and, with
+``dimensions``, cut and normalised again (Ollama routes.go ``normalize``).
+
+Too-long inputs: llama-server embeds a whole input in one micro-batch, so the limit is
+min(per-slot context, ``-ub`` (default 512)). With ``truncate`` (default true) the input is
+tokenized and cut to the limit; with ``truncate:false`` → 400 ``the input length exceeds the
+context length`` (Ollama text). Workers need ``embeddings: true`` and a pooling type other than
+``none`` (the demo model needs ``args: [--pooling, mean]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import struct
+import time
+
+import orjson
+from aiohttp import web
+
+from gateway.admission import QueueFull, QueueTimeout
+from gateway.api.capabilities import require
+from gateway.api.common import make_ticket, read_json, t0_ns
+from gateway.api.errors import BUSY_MESSAGE, ApiError
+from gateway.api.ollama import resolve_model
+from gateway.api.ollama_mapping import parse_keep_alive
+from gateway.inventory import ModelEntry
+from gateway.upstream import UpstreamError
+from gateway.worker_calls import tokenize
+
+TOO_LONG = "the input length exceeds the context length"
+_UBATCH_DEFAULT = 512  # llama-server -ub default (common.h n_ubatch)
+
+
+def normalize(vec: list[float], dimensions: int = 0) -> list[float]:
+    """Cut to ``dimensions`` when 0 < dimensions < len, then L2-normalise (zero vector kept)."""
+    if 0 < dimensions < len(vec):
+        vec = vec[:dimensions]
+    norm = math.sqrt(sum(x * x for x in vec))
+    return [x / norm for x in vec] if norm > 0 else list(vec)
+
+
+def _ubatch(gw, entry: ModelEntry) -> int:
+    mcfg = gw.model_config(entry.name)
+    args = list(gw.config.llama_server.extra_args) + (list(mcfg.args) if mcfg else [])
+    for i, a in enumerate(args[:-1]):
+        if a in ("-ub", "--ubatch-size"):
+            try:
+                return int(args[i + 1])
+            except ValueError:
+                pass
+    return _UBATCH_DEFAULT
+
+
+def input_limit(gw, entry: ModelEntry) -> int:
+    """Most tokens one input may have: min(per-slot context, micro-batch)."""
+    ctx = gw.context_per_slot(entry.name) or _UBATCH_DEFAULT
+    return min(ctx, _ubatch(gw, entry))
+
+
+def _is_too_long(e: UpstreamError) -> bool:
+    m = e.message.lower()
+    return ("too large" in m or "context size" in m or "exceeds" in m
+            or e.kind == "exceed_context_size_error")
+
+
+async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bool) -> tuple[list[float], int]:
+    """One input → (vector, prompt tokens). Raises ApiError / UpstreamError."""
+    gw = request.app["gw"]
+    limit = input_limit(gw, entry)
+    payload = text
+    # A byte-level token is at least one byte, so only texts this long can exceed the limit.
+    if isinstance(text, str) and len(text.encode()) + 2 > limit:
+        toks = await tokenize(gw, entry.name, text)
+        if len(toks) + 1 > limit:  # +1: the worker may add BOS
+            if not truncate:
+                raise ApiError(400, TOO_LONG)
+            payload = toks[:limit - 1]
+    mcfg = gw.model_config(entry.name)
+    ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s)
+    try:
+        async with gw.upstream.request(ticket, "/v1/embeddings", {"input": payload}) as (lease, resp):
+            data = orjson.loads(await resp.read())
+            request.setdefault("workers_used", []).append(lease.worker.id)
+    except UpstreamError as e:
+        if _is_too_long(e):
+            raise ApiError(400, TOO_LONG) from None
+        raise
+    item = (data.get("data") or [{}])[0]
+    n = int((data.get("usage") or {}).get("prompt_tokens") or item.get("tokens_evaluated") or 0)
+    return item.get("embedding") or [], n
+
+
+async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, truncate: bool,
+                     dimensions: int) -> tuple[list[list[float]], int]:
+    """Embed ``inputs`` concurrently (one lease each), in input order; (vectors, total tokens).
+    Raises ApiError (400 too long, 503 busy) or UpstreamError."""
+    gw = request.app["gw"]
+    retry = {"Retry-After": str(gw.config.queue.retry_after_s)}
+    try:
+        results = await asyncio.gather(*(_embed_one(request, entry, t, truncate) for t in inputs))
+    except QueueFull:
+        raise ApiError(503, BUSY_MESSAGE, retry) from None
+    except QueueTimeout:
+        raise ApiError(503, "server busy, please try again.  timed out waiting for a free slot",
+                       retry) from None
+    except UpstreamError as e:
+        raise ApiError(e.status if e.status in (400, 502, 503, 504) else 500, e.message) from None
+    request["worker"] = ",".join(request.get("workers_used", []))
+    return [normalize(v, dimensions) for v, _ in results], sum(n for _, n in results)
+
+
+def _dimensions(body: dict) -> int:
+    d = body.get("dimensions") or 0
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        raise ApiError(400, "dimensions must be a non-negative integer")
+    return d
+
+
+async def _checked_entry(request: web.Request, body: dict, missing_status: int) -> ModelEntry:
+    entry = resolve_model(request, body, missing_status=missing_status)
+    parse_keep_alive(body.get("keep_alive"))
+    await require(request.app["gw"], entry, "embedding", body["model"])
+    return entry
+
+
+def _json(obj, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+
+async def api_embed(request: web.Request) -> web.Response:
+    """Ollama ``POST /api/embed`` → ``{"model","embeddings","total_duration","load_duration",
+    "prompt_eval_count"}`` (durations ns)."""
+    body = await read_json(request)
+    entry = await _checked_entry(request, body, 404)
+    raw = body.get("input")
+    if raw is None or raw == "" or raw == []:
+        entry.touch(parse_keep_alive(body.get("keep_alive")))
+        return _json({"model": body["model"], "embeddings": []})
+    inputs = [raw] if isinstance(raw, str) else raw
+    if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
+        raise ApiError(400, "invalid input type")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ApiError(400, "truncate must be a boolean")
+    entry.touch(parse_keep_alive(body.get("keep_alive")))
+    t_loaded = time.monotonic_ns()
+    vecs, n = await embed_many(request, entry, inputs, truncate, _dimensions(body))
+    now = time.monotonic_ns()
+    return _json({"model": body["model"], "embeddings": vecs,
+                  "total_duration": max(1, now - t0_ns(request)),
+                  "load_duration": max(1, t_loaded - t0_ns(request)), "prompt_eval_count": n})
+
+
+async def api_embeddings(request: web.Request) -> web.Response:
+    """Legacy Ollama ``POST /api/embeddings {model, prompt}`` → ``{"embedding": [...]}``."""
+    body = await read_json(request)
+    entry = await _checked_entry(request, body, 400)
+    prompt = body.get("prompt") or ""
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string")
+    entry.touch(parse_keep_alive(body.get("keep_alive")))
+    if not prompt:
+        return _json({"embedding": []})
+    vecs, _ = await embed_many(request, entry, [prompt], True, 0)
+    return _json({"embedding": vecs[0]})
+
+
+def _b64(vec: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+
+
+async def v1_embeddings(request: web.Request) -> web.Response:
+    """OpenAI ``POST /v1/embeddings`` (input string | [string] | [int] | [[int]];
+    ``encoding_format`` float|base64; ``dimensions``) → ``{"object":"list","data":[{"object":
+    "embedding","embedding","index"}],"model","usage"}``. Errors in the OpenAI shape."""
+    body = await read_json(request)
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "model is required")
+    entry = await _checked_entry(request, body, 400)
+    raw = body.get("input")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw)):
+        inputs = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(t, str) or (
+            isinstance(t, list) and all(isinstance(x, int) for x in t)) for t in raw):
+        inputs = raw
+    else:
+        raise ApiError(400, "invalid input type: expected a string, a list of strings or token arrays")
+    if any(t == "" or t == [] for t in inputs):
+        raise ApiError(400, "input must not be empty")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise ApiError(400, f"invalid encoding_format: {fmt!r} (expected float or base64)")
+    entry.touch(None)
+    vecs, n = await embed_many(request, entry, inputs, True, _dimensions(body))
+    data = [{"object": "embedding", "embedding": _b64(v) if fmt == "base64" else v, "index": i}
+            for i, v in enumerate(vecs)]
+    return _json({"object": "list", "data": data, "model": name,
+                  "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+def routes() -> list[web.RouteDef]:
+    return [web.post("/api/embed", api_embed), web.post("/api/embeddings", api_embeddings),
+            web.post("/v1/embeddings", v1_embeddings)]

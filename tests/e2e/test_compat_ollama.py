@@ -1,0 +1,245 @@
+"""Ollama API conformance with the real ``ollama`` client and LangChain's ChatOllama, against a
+real gateway on real llama-server workers (issue 3; field cases 5, 22, 23, 24)."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import ollama
+import pytest
+from langchain_ollama import ChatOllama
+
+from tests.conftest import base_config, free_port
+from tests.e2e.compat_helpers import TOOLS_TEMPLATE, model, worker_metrics
+
+pytestmark = pytest.mark.slow
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def gw(module_gateway_factory, tmp_path_factory):
+    tpl = tmp_path_factory.mktemp("tpl") / "tools.jinja"
+    tpl.write_text(TOOLS_TEMPLATE)
+    cfg = base_config(free_port(), models=[
+        model("demo", aliases=["Friendly"]),
+        model("tooly", args=["--chat-template-file", str(tpl)])])
+    return module_gateway_factory(cfg)
+
+
+@pytest.fixture
+def client(gw):
+    return ollama.Client(host=gw.url)
+
+
+def test_generate_stream_and_not_with_context_round_trip(client):
+    r = client.generate(model="demo", prompt="once upon a time", options={"num_predict": 6})
+    assert r.done and r.done_reason == "length" and r.eval_count == 6 and r.response
+    # context = tokens of (rendered prompt + response text), re-tokenized as Ollama does.
+    assert isinstance(r.context, list) and len(r.context) >= r.prompt_eval_count
+    parts = list(client.generate(model="demo", prompt="go on", context=r.context, stream=True,
+                                 options={"num_predict": 4}))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    # The old context (prompt + answer) was detokenized and put in front of the new prompt.
+    assert parts[-1].prompt_eval_count > r.prompt_eval_count + r.eval_count
+    assert parts[-1].context[:len(r.context)] == r.context
+
+
+def test_raw_generate_has_no_context_and_rejects_system(client):
+    r = client.generate(model="demo", prompt="abc", raw=True, options={"num_predict": 3})
+    assert r.done and r.context is None
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="demo", prompt="abc", raw=True, system="be brief")
+    assert e.value.status_code == 400
+    assert e.value.error == "raw mode does not support template, system, or context"
+
+
+def test_case22_done_reason_from_worker(client):
+    assert client.generate(model="demo", prompt="x", options={"num_predict": 5}).done_reason == "length"
+    eos = client.generate(model="demo", prompt="hello<|im_end|>", raw=True, options={"num_predict": 50})
+    assert eos.done_reason == "stop" and eos.eval_count < 50
+    stopped = client.generate(model="demo", prompt="tell me", options={
+        "num_predict": 400, "stop": ["e", "a", "o", " "]})
+    assert stopped.done_reason == "stop" and stopped.eval_count < 400
+    assert not any(c in stopped.response for c in "eao ")
+    load = client.generate(model="demo", prompt="")
+    assert load.done is True and load.done_reason == "load"
+    assert client.generate(model="demo", keep_alive=0).done_reason == "unload"
+    chat_load = client.chat(model="demo", messages=[])
+    assert chat_load.done_reason == "load" and chat_load.message.role == "assistant"
+
+
+def test_case23_durations_match_worker_and_v1_usage(gw, client):
+    worker = next(w for w in gw.workers() if w["model"] == "demo:latest") \
+        if "model" in gw.workers()[0] else gw.workers()[0]
+    msgs = [{"role": "user", "content": "durations are nanoseconds " * 8}]
+    before = worker_metrics(worker)
+    t0 = time.monotonic_ns()
+    r = client.chat(model="demo", messages=msgs, options={"num_predict": 40, "seed": 1})
+    wall = time.monotonic_ns() - t0
+    after = worker_metrics(worker)
+    fields = ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
+    for f in fields:
+        v = getattr(r, f)
+        assert isinstance(v, int) and v > 0, f
+    prompt_s = after["llamacpp:prompt_seconds_total"] - before["llamacpp:prompt_seconds_total"]
+    eval_s = after["llamacpp:tokens_predicted_seconds_total"] - before["llamacpp:tokens_predicted_seconds_total"]
+    # The worker's own numbers (ms precision in its counters): ns = ms * 1e6, not ms or s.
+    assert r.prompt_eval_duration == pytest.approx(prompt_s * 1e9, rel=0.05, abs=2e6)
+    assert r.eval_duration == pytest.approx(eval_s * 1e9, rel=0.05, abs=2e6)
+    assert r.eval_count == after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 40
+    assert r.total_duration >= r.prompt_eval_duration + r.eval_duration
+    assert r.total_duration <= wall
+    v1 = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+        "model": "demo", "messages": msgs, "max_tokens": 40}).json()
+    assert v1["usage"]["prompt_tokens"] == r.prompt_eval_count
+    assert v1["usage"]["completion_tokens"] == r.eval_count
+
+
+def test_case24_list_ps_show_typed(gw, client):
+    lst = client.list()
+    names = sorted(m.model for m in lst.models)
+    assert names == ["demo:latest", "tooly:latest"]
+    for m in lst.models:
+        assert isinstance(m.modified_at, datetime) and m.size > 0 and len(m.digest) == 64
+        d = m.details
+        assert d.format == "gguf" and d.family == "llama" and d.parameter_size.endswith("K")
+        assert d.quantization_level == "F32" and d.families == ["llama"]
+    ps = client.ps()
+    assert sorted(m.model for m in ps.models) == names
+    for m in ps.models:
+        assert m.size_vram == 0 and isinstance(m.size_vram, int)
+        assert isinstance(m.expires_at, datetime) and m.expires_at.tzinfo is not None
+        assert m.context_length == 1024 and m.details.family == "llama" and m.digest == lst.models[0].digest
+    show = client.show("demo")
+    assert isinstance(show.modelinfo, dict) and show.modelinfo["general.architecture"] == "llama"
+    assert show.modelinfo["llama.context_length"] == 4096 and show.modelinfo["llama.embedding_length"] == 64
+    assert "<|im_start|>" in show.template and show.capabilities == ["completion"]
+    assert show.details.parameter_size and show.parameters.startswith("num_ctx")
+    assert client.show("tooly").capabilities == ["completion", "tools"]
+    assert client.show("FRIENDLY").details.family == "llama"  # alias, case-insensitive
+
+
+def test_keep_alive_reflected_in_ps(client):
+    def expiry(name):
+        return next(m.expires_at for m in client.ps().models if m.model == name)
+
+    client.generate(model="demo", prompt="x", keep_alive="10m", options={"num_predict": 1})
+    exp = expiry("demo:latest")
+    assert abs((exp - datetime.now(timezone.utc)) - timedelta(minutes=10)) < timedelta(seconds=30)
+    client.generate(model="demo", prompt="x", keep_alive=-1, options={"num_predict": 1})
+    assert expiry("demo:latest").year > 2200
+    client.generate(model="demo", prompt="x", keep_alive=90, options={"num_predict": 1})
+    assert abs((expiry("demo:latest") - datetime.now(timezone.utc)) - timedelta(seconds=90)) < timedelta(seconds=30)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="demo", prompt="x", keep_alive="5 minutes")
+    assert e.value.status_code == 400 and "keep_alive" in e.value.error
+
+
+def test_capability_and_validation_errors(client):
+    cases = [
+        (dict(model="demo", prompt="x", suffix="y"), "demo:latest does not support insert"),
+        (dict(model="demo", prompt="x", images=["iVBORw0KGgo="]), "demo:latest does not support vision"),
+        (dict(model="demo", prompt="x", think=True), '"demo" does not support thinking'),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ollama.ResponseError) as e:
+            client.generate(**kw)
+        assert (e.value.status_code, e.value.error) == (400, msg)
+    assert client.generate(model="demo", prompt="x", think=False, options={"num_predict": 2}).done
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="demo", messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    assert (e.value.status_code, e.value.error) == (400, "demo:latest does not support tools")
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="nope", prompt="x")
+    assert (e.value.status_code, e.value.error) == (404, "model 'nope' not found")
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="demo", prompt="x", options={"top_k": "many"})
+    assert (e.value.status_code, e.value.error) == (400, 'option "top_k" must be of type integer')
+    r = httpx.post(client._client.base_url.join("/api/generate"), json={
+        "model": "demo", "prompt": "x", "top_logprobs": 21})
+    assert r.status_code == 400 and r.json() == {"error": "top_logprobs must be between 0 and 20"}
+    r = httpx.post(client._client.base_url.join("/api/chat"), json={"messages": []})
+    assert r.status_code == 400 and r.json() == {"error": "model is required"}
+
+
+def test_tools_accepted_and_tool_history_round_trips(client):
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]
+    r = client.chat(model="tooly", messages=msgs, tools=TOOLS, options={"num_predict": 4})
+    assert r.done and r.message.role == "assistant" and r.eval_count == 4
+    # The tools really reached the template: the prompt is longer than without them.
+    plain = client.chat(model="tooly", messages=msgs, options={"num_predict": 1})
+    assert r.prompt_eval_count > plain.prompt_eval_count + 20
+
+
+def test_format_json_schema_and_logprobs(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    r = client.generate(model="demo", prompt="answer", format=schema, options={"num_predict": 200})
+    assert isinstance(json.loads(r.response)["ok"], bool) and r.done_reason == "stop"
+    c = client.chat(model="demo", messages=[{"role": "user", "content": "json"}], format=schema,
+                    options={"num_predict": 200})
+    assert isinstance(json.loads(c.message.content)["ok"], bool)
+    lp = client.generate(model="demo", prompt="x", logprobs=True, top_logprobs=3, options={"num_predict": 4})
+    # llama-server joins a token that ends inside a UTF-8 character with the next one.
+    assert 1 <= len(lp.logprobs) <= 4 and all(len(t.top_logprobs) == 3 for t in lp.logprobs)
+    assert all(isinstance(t.logprob, float) for t in lp.logprobs)
+    streamed = list(client.chat(model="demo", messages=[{"role": "user", "content": "x"}], stream=True,
+                                logprobs=True, options={"num_predict": 3}))
+    got = [t for p in streamed for t in (p.logprobs or [])]
+    assert 1 <= len(got) <= 3 and all(not t.top_logprobs for t in got)
+
+
+def test_system_and_options_reach_worker(client):
+    base = client.generate(model="demo", prompt="x", options={"num_predict": 1})
+    with_sys = client.generate(model="demo", prompt="x", system="you are terse " * 5, options={"num_predict": 1})
+    assert with_sys.prompt_eval_count > base.prompt_eval_count + 10
+    a = client.generate(model="demo", prompt="same", options={"num_predict": 12, "seed": 7, "temperature": 0})
+    b = client.generate(model="demo", prompt="same", options={"num_predict": 12, "seed": 7, "temperature": 0})
+    assert a.response == b.response
+
+
+def test_case5_overlong_prompt_is_400_streamed_and_not(client):
+    long = "word " * 1500
+    for stream in (False, True):
+        with pytest.raises(ollama.ResponseError) as e:
+            res = client.chat(model="demo", messages=[{"role": "user", "content": long}], stream=stream)
+            if stream:
+                list(res)
+        assert e.value.status_code == 400
+        assert e.value.error.startswith("the prompt is longer than the context length")
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="demo", prompt=long)
+    assert e.value.status_code == 400
+
+
+def test_pull_existing_succeeds_and_management_is_refused(client):
+    assert client.pull("demo").status == "success"
+    statuses = [p.status for p in client.pull("demo", stream=True)]
+    assert statuses[-1] == "success" and len(statuses) > 1
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("not-served")
+    assert e.value.status_code == 404 and "gateway.yaml" in e.value.error
+    for call in (lambda: client.delete("demo"), lambda: client.copy("demo", "other"),
+                 lambda: client.push("demo")):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 501 and "gateway.yaml" in e.value.error
+
+
+def test_langchain_chat_ollama(gw):
+    llm = ChatOllama(model="demo", base_url=gw.url, num_predict=5)
+    msg = llm.invoke("hello")
+    assert isinstance(msg.content, str) and msg.content
+    assert msg.usage_metadata["output_tokens"] == 5 and msg.usage_metadata["input_tokens"] > 0
+    chunks = list(llm.stream("hello"))
+    assert "".join(c.content for c in chunks) and len(chunks) >= 2
+    assert [c.response_metadata.get("done_reason") for c in chunks
+            if c.response_metadata.get("done_reason")] == ["length"]

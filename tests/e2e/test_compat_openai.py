@@ -1,0 +1,107 @@
+"""OpenAI-compatible API with the real ``openai`` client (issue 3; field cases 5, 21, 22, 26)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import base_config, free_port
+from tests.e2e.compat_helpers import embed_model, model, nearest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gw(module_gateway_factory):
+    return module_gateway_factory(base_config(free_port(), models=[model("demo"), embed_model()]))
+
+
+@pytest.fixture
+def client(gw):
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def test_case26_include_usage_chat_and_completions(client):
+    for create, kw in ((client.chat.completions.create, {"messages": MSG}),
+                       (client.completions.create, {"prompt": "hello"})):
+        with_usage = list(create(model="demo", max_tokens=6, stream=True,
+                                 stream_options={"include_usage": True}, **kw))
+        last = with_usage[-1]
+        assert last.choices == [] and last.usage.completion_tokens == 6
+        assert last.usage.total_tokens == last.usage.prompt_tokens + 6
+        assert all(c.usage is None for c in with_usage[:-1])
+        without = list(create(model="demo", max_tokens=6, stream=True, **kw))
+        assert all(c.choices and c.usage is None for c in without)
+
+
+def test_case22_finish_reason(client):
+    r = client.chat.completions.create(model="demo", max_tokens=5, messages=MSG)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    r = client.completions.create(model="demo", prompt="hi<|im_end|>", max_tokens=50)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 50
+    r = client.completions.create(model="demo", prompt="hi", max_tokens=400, stop=["e", "a", " ", "o"])
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 400
+
+
+def test_response_format_and_tools(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    r = client.chat.completions.create(model="demo", max_tokens=200, messages=MSG, response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    r = client.chat.completions.create(model="demo", max_tokens=3, messages=MSG, tools=tools)
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_models_list_and_retrieve(client):
+    ids = sorted(m.id for m in client.models.list().data)
+    assert ids == ["demo:latest", "embed:latest"]
+    m = client.models.retrieve("demo")
+    assert m.id == "demo:latest" and m.object == "model" and m.created > 0
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert e.value.body["type"] == "not_found_error"
+
+
+def test_embeddings_indexes(client):
+    r = client.embeddings.create(model="embed", input=["one", "two two", "three three three"])
+    assert [d.index for d in r.data] == [0, 1, 2]
+    assert len({tuple(d.embedding) for d in r.data}) == 3 and len(r.data[0].embedding) == 64
+    refs = {t: client.embeddings.create(model="embed", input=t).data[0].embedding
+            for t in ("one", "two two", "three three three")}
+    assert [nearest(d.embedding, refs) for d in r.data] == ["one", "two two", "three three three"]
+    b64 = client.embeddings.create(model="embed", input="one", encoding_format="base64")
+    floats = struct.unpack("<64f", base64.b64decode(b64.data[0].embedding))  # little-endian float32
+    assert floats == pytest.approx(refs["one"], abs=1e-6)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="demo", input="x")
+    assert "does not support embedding" in e.value.body["message"]
+
+
+def test_case5_and_21_errors_are_openai_objects(gw, client):
+    long = "word " * 1500
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": long}])
+    assert "context" in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        list(client.chat.completions.create(model="demo", stream=True,
+                                            messages=[{"role": "user", "content": long}]))
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=MSG)
+    assert e.value.body == {"message": "model 'nope' not found", "type": "not_found_error",
+                            "param": None, "code": None}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="demo", messages=[])
+    for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405),
+                                 ("DELETE", "/v1/models", 405)):
+        r = httpx.request(method, gw.url + path)
+        assert r.status_code == status and r.headers["content-type"].startswith("application/json")
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}

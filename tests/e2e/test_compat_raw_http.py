@@ -1,0 +1,176 @@
+"""Raw HTTP checks of framing, headers and error shapes (field cases 18, 19, 20, 21, 24), through
+the gateway and through a default-config nginx in front of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import base_config, free_port
+from tests.e2e.compat_helpers import model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gw(module_gateway_factory):
+    return module_gateway_factory(base_config(free_port(), models=[model("demo", context=4096)]))
+
+
+@pytest.fixture(scope="module")
+def nginx_url(gw, tmp_path_factory):
+    """nginx with a default proxy config (buffering on) in front of the gateway."""
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if binary is None:
+        pytest.skip("nginx is not installed (apt-get install -y nginx); proxy buffering check skipped")
+    d = tmp_path_factory.mktemp("nginx")
+    port = free_port()
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    (d / "nginx.conf").write_text(
+        f"{user}daemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\nevents {{}}\n"
+        f"http {{\n access_log off;\n client_body_temp_path {d}/body;\n proxy_temp_path {d}/proxy;\n"
+        f" server {{ listen 127.0.0.1:{port};\n  location / {{ proxy_pass http://127.0.0.1:{gw.port}; }} }}\n}}\n")
+    proc = subprocess.Popen([binary, "-c", str(d / "nginx.conf"), "-p", str(d)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            httpx.get(url + "/", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def _stream_lines(url: str, path: str, body: dict):
+    """POST and read the body as it arrives: (response, [(seconds since start, raw line)])."""
+    t0 = time.monotonic()
+    out = []
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        buf = b""
+        for chunk in r.iter_raw():
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                out.append((time.monotonic() - t0, line + b"\n"))
+        assert buf == b"", "stream did not end with a newline"
+    return r, out
+
+
+def test_case18_ndjson_framing_and_utf8(gw):
+    for path, body in (("/api/generate", {"model": "demo", "prompt": "é", "options": {"num_predict": 300}}),
+                       ("/api/chat", {"model": "demo", "messages": [{"role": "user", "content": "ü"}],
+                                      "options": {"num_predict": 300}})):
+        r, lines = _stream_lines(gw.url, path, body)
+        assert r.status_code == 200 and len(lines) > 2
+        objs = []
+        for _, raw in lines:
+            assert raw.strip() and raw.endswith(b"\n") and not raw.startswith(b"data:")
+            raw.decode("utf-8")  # never a split multibyte character
+            objs.append(json.loads(raw))
+        assert all(o["done"] is False for o in objs[:-1])
+        last = objs[-1]
+        assert last["done"] is True and last["done_reason"] == "length" and last["eval_count"] == 300
+        assert all(isinstance(last[k], int) and last[k] > 0 for k in
+                   ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration"))
+
+
+def _check_incremental(url: str, via_nginx: bool = False):
+    r, lines = _stream_lines(url, "/api/generate", {"model": "demo", "prompt": "x",
+                                                    "options": {"num_predict": 3000}})
+    # nginx consumes X-Accel-Buffering (it is addressed to nginx), so only the gateway shows it.
+    assert via_nginx or r.headers["x-accel-buffering"] == "no"
+    assert r.headers["cache-control"] == "no-cache"
+    assert "content-encoding" not in r.headers
+    assert r.headers["content-type"] == "application/x-ndjson"
+    first, last = lines[0][0], lines[-1][0]
+    # Tokens arrive as generated: the first line long before the last, spread over many reads.
+    assert first < 0.5 * last
+    assert len({round(t, 3) for t, _ in lines}) > 20
+
+
+def test_case19_streams_not_buffered_direct(gw):
+    _check_incremental(gw.url)
+
+
+def test_case19_streams_not_buffered_through_default_nginx(nginx_url):
+    _check_incremental(nginx_url, via_nginx=True)
+
+
+def test_case20_content_types(gw):
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "x", "stream": False,
+                                                   "options": {"num_predict": 2}})
+    assert r.headers["content-type"].startswith("application/json")
+    with httpx.stream("POST", gw.url + "/api/chat", json={"model": "demo", "messages": [
+            {"role": "user", "content": "x"}], "options": {"num_predict": 2}}) as s:
+        assert s.headers["content-type"] == "application/x-ndjson"
+        assert s.headers.get("transfer-encoding") == "chunked"
+        s.read()
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json={
+            "model": "demo", "stream": True, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}) as s:
+        assert s.headers["content-type"] == "text/event-stream"
+        assert s.headers["x-accel-buffering"] == "no" and s.headers["cache-control"] == "no-cache"
+        events = [e for e in s.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    for method, path, status in (("POST", "/api/chat", 400), ("GET", "/api/nope", 404),
+                                 ("GET", "/api/generate", 405), ("POST", "/api/show", 400)):
+        r = httpx.request(method, gw.url + path, content=b"" if method == "POST" else None)
+        assert r.status_code == status and r.headers["content-type"].startswith("application/json")
+        assert isinstance(r.json()["error"], str)
+
+
+def test_case21_and_24_error_shapes_root_version(gw):
+    r = httpx.post(gw.url + "/api/generate", json={"model": "x", "prompt": "p"})
+    assert (r.status_code, r.json()) == (404, {"error": "model 'x' not found"})
+    r = httpx.post(gw.url + "/api/show", json={"model": "x"})
+    assert (r.status_code, r.json()) == (404, {"error": "model 'x' not found"})
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "x", "prompt": "p"})
+    assert r.status_code == 404 and r.json()["error"]["message"] == "model 'x' not found"
+    r = httpx.post(gw.url + "/api/chat", content=b"{not json")
+    assert r.status_code == 400 and isinstance(r.json()["error"], str)
+    assert httpx.get(gw.url + "/").text == "Ollama is running"
+    assert isinstance(httpx.get(gw.url + "/api/version").json()["version"], str)
+
+
+def test_case5_overlong_prompt_streamed_is_json_400(gw):
+    long = "word " * 5000
+    with httpx.stream("POST", gw.url + "/api/chat", json={"model": "demo", "messages": [
+            {"role": "user", "content": long}]}) as s:
+        assert s.status_code == 400 and s.headers["content-type"].startswith("application/json")
+        assert json.loads(s.read())["error"].startswith("the prompt is longer than the context length")
+
+
+def _kill_mid_stream(gw, path: str, body: dict) -> list[bytes]:
+    worker = gw.workers()[0]
+    lines = []
+    with httpx.stream("POST", gw.url + path, json=body, timeout=60) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            lines.append(line)
+            if len(lines) == 5:
+                os.kill(worker["pid"], signal.SIGKILL)
+    gw.wait_ready(60)
+    return lines
+
+
+def test_case21_mid_stream_failure_ends_with_error(gw):
+    lines = [x for x in _kill_mid_stream(gw, "/api/generate", {
+        "model": "demo", "prompt": "x", "options": {"num_predict": 100000}}) if x]
+    last = json.loads(lines[-1])
+    assert set(last) == {"error"} and isinstance(last["error"], str)
+    assert all(json.loads(x)["done"] is False for x in lines[:-1])
+    events = [x for x in _kill_mid_stream(gw, "/v1/chat/completions", {
+        "model": "demo", "stream": True, "max_tokens": 100000,
+        "messages": [{"role": "user", "content": "x"}]}) if x]
+    assert events[-1] != "data: [DONE]"
+    err = json.loads(events[-1][len("data: "):])["error"]
+    assert set(err) == {"message", "type", "param", "code"}
