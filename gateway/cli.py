@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.app import serve
         try:
             import uvloop
-            return uvloop.run(serve(cfg))
+            return uvloop.run(serve(cfg, args.config))
         except ImportError:
-            return asyncio.run(serve(cfg))
+            return asyncio.run(serve(cfg, args.config))
     configure("info", "auto")
     log = get_logger("gateway.cli")
     if verb == "install-llama-server":

@@ -22,6 +22,7 @@ from gateway.api.errors import BUSY_MESSAGE, ApiError, ollama_error
 from gateway.api.ollama_mapping import StreamState, map_options
 from gateway.inventory import ModelEntry, now_utc_z
 from gateway.logs import get_logger
+from gateway.metrics import note_first_byte, note_lease
 from gateway.upstream import UpstreamError, iter_sse
 
 log = get_logger("gateway.api.ollama")
@@ -130,8 +131,9 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     try:
         async with gw.upstream.request(ticket, path, upstream_body) as (lease, resp):
             st.t_loaded_ns = time.monotonic_ns()
-            request["worker"] = lease.worker.id
+            note_lease(request, lease)
             async for data in iter_sse(resp):
+                note_first_byte(request)
                 ev = orjson.loads(data)
                 if is_chat:
                     content, thinking = st.fold_chat(ev)
@@ -160,13 +162,14 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
             status = 400 if e.status == 400 else (e.status if e.status in (502, 503, 504) else 500)
             return ollama_error(status, e.message)
     if st.error:
+        request["error"] = st.error
         if out is None:
             return ollama_error(500, st.error)
         await out.write(orjson.dumps({"error": st.error}) + b"\n")
         await out.write_eof()
         return out
     obj = final(st)
-    request["eval_count"] = obj.get("eval_count")
+    request["eval_count"], request["prompt_eval_count"] = obj.get("eval_count"), obj.get("prompt_eval_count")
     if not stream:
         return web.Response(body=orjson.dumps(obj), content_type="application/json")
     if out is None:

@@ -13,6 +13,7 @@ from aiohttp import web
 from gateway.admission import QueueFull, QueueTimeout
 from gateway.api.common import STREAM_HEADERS, make_ticket, read_json
 from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
+from gateway.metrics import note_first_byte, note_lease, note_openai_usage
 from gateway.upstream import UpstreamError
 
 
@@ -45,21 +46,25 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     out: web.StreamResponse | None = None
     try:
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
-            request["worker"] = lease.worker.id
+            note_lease(request, lease)
             if not stream:
                 data = await resp.read()
+                note_openai_usage(request, data)
                 return web.Response(body=data, content_type="application/json")
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                           **STREAM_HEADERS})
             out.enable_chunked_encoding()
             await out.prepare(request)
             async for chunk in resp.content.iter_any():
+                note_first_byte(request)
+                note_openai_usage(request, chunk)
                 await out.write(chunk)
     except QueueFull:
         return openai_error(503, BUSY_MESSAGE, retry)
     except QueueTimeout:
         return openai_error(503, "server busy, please try again.  timed out waiting for a free slot", retry)
     except UpstreamError as e:
+        request["error"] = e.message
         if out is None:
             return openai_error(e.status if e.status in (400, 502, 503, 504) else 500, e.message)
         await out.write(b"data: " + orjson.dumps(openai_error_body(e.status, e.message)) + b"\n\n")
