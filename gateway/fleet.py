@@ -114,8 +114,14 @@ class Fleet:
         """Drain ``worker_id`` (new requests go to other workers or wait in the queue), stop
         it, and start it again with ``plan`` (default: the same plan)."""
         plan = plan or self.plans[worker_id]
+        order = list(self.supervisors)
+        restarts = self.supervisors[worker_id].restarts
         await self.remove_worker(worker_id, drain_s)
-        return self.add_worker(plan)
+        sup = self.add_worker(plan)
+        sup.restarts = restarts + 1
+        self.supervisors = {k: self.supervisors[k] for k in order if k in self.supervisors} | \
+            self.supervisors  # keep the fleet's order for listings
+        return sup
 
     def _on_ready(self, sup: WorkerSupervisor) -> None:
         actual = getattr(sup, "actual_slots", sup.spec.slots)
