@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: run test setup bench
+.PHONY: run test setup bench browser
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,5 +20,12 @@ setup: $(VENV)/.installed
 run: setup
 	$(BIN)/llama-gateway serve -c gateway.yaml
 
-test: setup
+# Headless Chromium for the status-page test (tests/e2e/test_service.py); installed only when
+# missing and running as root with apt-get (CI); otherwise that test skips and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+	  || echo "make browser: chromium not installed; the status page test will skip"; }
+
+test: setup browser
 	$(BIN)/python -m pytest -q -rs
