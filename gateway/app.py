@@ -16,13 +16,19 @@ from gateway.api import embeddings as embeddings_api
 from gateway.api import ollama_manage as ollama_manage_api
 from gateway.api import ollama as ollama_api
 from gateway.api import openai as openai_api
-from gateway.config import GatewayConfig, ModelConfig, plan_workers
+from gateway.api import status_page
+from gateway.config import GatewayConfig, ModelConfig, PlanDiff, WorkerPlan, diff_plans, plan_workers
+from gateway.drain import graceful_stop
 from gateway.fleet import Fleet
 from gateway.inventory import Inventory, ModelEntry, full_name
 from gateway.logs import get_logger
+from gateway.metrics import GatewayMetrics, worker_state
 from gateway.middleware import gateway_middleware
+from gateway.notify import Notifier, fleet_status
+from gateway.reload import Reloader
 from gateway.scheduling import Dispatcher
 from gateway.upstream import Upstream
+from gateway.worker_stats import WorkerStatsPoller
 from workers.demo_model import ensure_demo_model
 from workers.gpu import detect_gpus
 from workers.process import reap_stale_workers
@@ -31,10 +37,17 @@ from workers.provision import cache_root, ensure_llama_server
 log = get_logger("gateway.app")
 
 
+async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response, streamed ones too, carries the request's X-Request-ID."""
+    if "request_id" in request:
+        response.headers.setdefault("X-Request-ID", request["request_id"])
+
+
 class Gateway:
     """All live parts of one gateway process. ``await start()``, then ``await stop()``."""
 
-    def __init__(self, config: GatewayConfig):
+    def __init__(self, config: GatewayConfig, config_path: str | None = None,
+                 notifier: Notifier | None = None):
         self.config = config
         self.inventory: Inventory | None = None
         self.dispatcher = Dispatcher(time.monotonic, max_pending=config.queue.max_pending)
@@ -43,6 +56,14 @@ class Gateway:
         self.upstream: Upstream | None = None
         self.runner: web.AppRunner | None = None
         self.stopping = asyncio.Event()
+        self.inflight: dict[int, web.Request] = {}  # id(request) -> request being handled (middleware)
+        self.draining = False  # True once shutdown began: new requests get 503
+        self.notifier = notifier or Notifier()
+        self.metrics = GatewayMetrics(self)
+        self.worker_stats = WorkerStatsPoller(self._ready_endpoints)
+        self.reloader = Reloader(self, config_path)
+        self.plans: list[WorkerPlan] = []
+        self._tasks: list[asyncio.Task] = []
 
     def model_config(self, name: str) -> ModelConfig | None:
         for m in self.config.models:
@@ -62,32 +83,106 @@ class Gateway:
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[gateway_middleware], client_max_size=64 * 1024 * 1024)
         app["gw"] = self
+        app.on_response_prepare.append(_request_id_header)
         app.add_routes(ollama_api.routes())
         app.add_routes(openai_api.routes())
         app.add_routes(admin_api.routes())
         app.add_routes(embeddings_api.routes())
         app.add_routes(ollama_manage_api.routes())
+        app.add_routes(status_page.routes())
         return app
+
+    # ---- models, reload ----------------------------------------------------------------------
+    async def load_models(self, cfg: GatewayConfig) -> tuple[dict[str, Path], list[ModelEntry]]:
+        """Model files and inventory entries of ``cfg``; entries of models already loaded with
+        the same path and flags are reused. Raises OSError/ValueError for unreadable files."""
+        old = {e.name: e for e in self.inventory.entries} if self.inventory else {}
+        paths: dict[str, Path] = {}
+        entries = []
+        for m in cfg.models:
+            p = await asyncio.to_thread(ensure_demo_model) if m.is_builtin else Path(m.path).expanduser()
+            paths[m.full_name] = p
+            e = old.get(m.full_name)
+            if e is None or Path(e.path) != p or e.embeddings != m.embeddings \
+                    or e.aliases != tuple(full_name(a) for a in m.aliases):
+                e = await asyncio.to_thread(ModelEntry.load, m.full_name, p, m.aliases, m.embeddings)
+                e.compute_digest_in_background()
+            entries.append(e)
+        return paths, entries
+
+    def diff_with(self, new: GatewayConfig, plans: list[WorkerPlan]) -> PlanDiff:
+        diff = diff_plans(self.plans, plans, self.config, new)
+        self.plans = plans
+        return diff
+
+    def apply_settings(self, new: GatewayConfig,
+                       models: tuple[dict[str, Path], list[ModelEntry]]) -> None:
+        """Make ``new`` the live config for everything that has no process behind it."""
+        paths, entries = models
+        self.config = new
+        self.dispatcher.max_pending = new.queue.max_pending
+        if self.upstream:
+            self.upstream.first_byte_s = new.timeouts.first_byte_s
+            self.upstream.request_s = new.timeouts.request_s
+        if self.fleet:
+            self.fleet.config = new
+            self.fleet.model_paths.update(paths)
+        self.inventory = Inventory(entries)
+
+    def forget_unserved(self) -> None:
+        """Answer queued requests of models no longer served (503 via the queue timeout)."""
+        for t in self.dispatcher.queue:
+            if not self.dispatcher.serves(t.model):
+                t.queue_timeout_s = 0.0
+
+    # ---- live status -------------------------------------------------------------------------
+    def _ready_endpoints(self) -> dict:
+        if not self.fleet:
+            return {}
+        out = {}
+        for wid in list(self.fleet.supervisors):
+            ep = self.fleet.endpoint_of(wid)
+            if ep is not None:
+                out[wid] = ep
+        return out
+
+    def worker_states(self) -> dict[str, str]:
+        sups = self.fleet.supervisors.values() if self.fleet else ()
+        return {s.id: worker_state(self, s) for s in sups}
+
+    def fleet_status(self) -> str:
+        return fleet_status(self.worker_states())
+
+    async def _watch(self) -> None:
+        """systemd READY=1 once every worker is ready; STATUS= on every change; worker
+        failures into the recent-errors list."""
+        details: dict[str, str] = {}
+        sent_ready = False
+        while True:
+            self.notifier.status(self.fleet_status())
+            sups = list(self.fleet.supervisors.values()) if self.fleet else []
+            for s in sups:
+                if s.state == "backoff" and s.detail and details.get(s.id) != s.detail:
+                    self.metrics.errors.add(s.id, s.detail)
+                details[s.id] = s.detail
+            if not sent_ready and sups and all(s.ready for s in sups):
+                sent_ready = True
+                log.info("gateway.ready", workers=len(sups))
+                self.notifier.ready(self.fleet_status())
+            await asyncio.sleep(0.2)
 
     async def start(self) -> None:
         cfg = self.config
         ls = cfg.llama_server
         binary = await asyncio.to_thread(ensure_llama_server, ls.binary,
                                          None if ls.backend == "auto" else ls.backend)
-        paths: dict[str, Path] = {}
-        entries = []
-        for m in cfg.models:
-            p = await asyncio.to_thread(ensure_demo_model) if m.is_builtin else Path(m.path).expanduser()
-            paths[m.full_name] = p
-            e = await asyncio.to_thread(ModelEntry.load, m.full_name, p, m.aliases, m.embeddings)
-            e.compute_digest_in_background()
-            entries.append(e)
+        paths, entries = await self.load_models(cfg)
         self.inventory = Inventory(entries)
         host, port = cfg.host, cfg.port
         state_dir = cache_root() / "run" / f"{host.strip('[]')}_{port}"
         for pid in reap_stale_workers(state_dir):
             log.warning("gateway.stale_worker_reaped", pid=pid)
-        plans = plan_workers(cfg, detect_gpus())
+        plans = self.plans = plan_workers(cfg, detect_gpus())
         self.fleet = Fleet(cfg, binary, paths, self.admission, state_dir)
         self.fleet.build(plans)
         self.upstream = Upstream(self.admission, self.fleet.endpoint_of,
@@ -103,9 +198,15 @@ class Gateway:
         log.info("gateway.listening", listen=cfg.listen, version=__version__,
                  workers=[p.id for p in plans], binary=str(binary))
         self.fleet.start()
+        self.worker_stats.start()
+        self._tasks.append(asyncio.create_task(self._watch(), name="gateway-watch"))
+        self.notifier.start_watchdog()
 
     async def stop(self) -> None:
         log.info("gateway.stopping")
+        for t in self._tasks:
+            t.cancel()
+        await self.worker_stats.stop()
         if self.runner:
             await self.runner.cleanup()
         if self.fleet:
@@ -113,18 +214,36 @@ class Gateway:
         if self.upstream:
             await self.upstream.close()
         self.admission.close()
+        self.notifier.close()
         log.info("gateway.stopped")
 
 
-async def serve(config: GatewayConfig) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit status (0 on a clean stop)."""
-    gw = Gateway(config)
+async def serve(config: GatewayConfig, config_path: str | None = None) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit status (0 on a clean stop).
+
+    SIGTERM/SIGINT: graceful stop (gateway/drain.py). SIGHUP: reload ``config_path``
+    (gateway/reload.py).
+    """
+    gw = Gateway(config, config_path)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, gw.stopping.set)
+    reloads: set[asyncio.Task] = set()
+
+    def on_hup() -> None:
+        log.info("gateway.sighup")
+        t = loop.create_task(gw.reloader.reload())
+        reloads.add(t)
+        t.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
         await gw.start()
         await gw.stopping.wait()
+        loop.remove_signal_handler(signal.SIGHUP)
+        await graceful_stop(gw)
     finally:
+        for t in reloads:
+            t.cancel()
         await gw.stop()
     return 0

@@ -5,6 +5,9 @@ Verbs:
   install-llama-server     find or build the llama-server binary now (shows build progress)
   demo-model               write the small offline demo GGUF
   check-config             validate a config file and print the worker plan
+  status                   one row per worker of a running gateway (state, slots, KV, GPU…)
+  worker drain|undrain|restart ID   admin actions on a running gateway (admin token)
+  reload                   reload the running gateway's config file (admin token)
 """
 
 from __future__ import annotations
@@ -33,7 +36,41 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--path", default=None)
     c = sub.add_parser("check-config", help="validate a config and show the worker plan")
     c.add_argument("-c", "--config", default="gateway.yaml")
+    url_help = "gateway URL (default $LLAMA_GATEWAY_URL or http://127.0.0.1:11434)"
+    tok_help = "admin token (default $LLAMA_GATEWAY_ADMIN_TOKEN)"
+    st = sub.add_parser("status", help="show the workers of a running gateway")
+    st.add_argument("--url", default=None, help=url_help)
+    st.add_argument("--json", action="store_true", help="print the raw JSON")
+    w = sub.add_parser("worker", help="drain, undrain or restart a worker")
+    w.add_argument("action", choices=["drain", "undrain", "restart"])
+    w.add_argument("worker", help="worker id, e.g. demo-cpu1")
+    w.add_argument("--url", default=None, help=url_help)
+    w.add_argument("--token", default=None, help=tok_help)
+    r = sub.add_parser("reload", help="reload the running gateway's config file")
+    r.add_argument("--url", default=None, help=url_help)
+    r.add_argument("--token", default=None, help=tok_help)
     return p
+
+
+def _admin(args) -> int:
+    import orjson
+
+    from gateway import admin_client as ac
+    try:
+        if args.verb == "status":
+            st = ac.fetch_status(args.url)
+            sys.stdout.write(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode() + "\n"
+                             if args.json else ac.status_table(st))
+        elif args.verb == "worker":
+            res = ac.worker_action(args.action, args.worker, args.url, args.token)
+            sys.stdout.write(orjson.dumps(res).decode() + "\n")
+        else:
+            res = ac.reload(args.url, args.token)
+            sys.stdout.write(orjson.dumps(res).decode() + "\n")
+    except ac.AdminError as e:
+        sys.stderr.write(f"llama-gateway {args.verb}: {e}\n")
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     verb = args.verb or "serve"
     if verb == "serve" and not hasattr(args, "config"):
         args.config = os.environ.get("LLAMA_GATEWAY_CONFIG", "gateway.yaml")
+    if verb in ("status", "worker", "reload"):
+        return _admin(args)
     from gateway.config import ConfigError, load_config
 
     if verb in ("serve", "check-config"):
@@ -61,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.app import serve
         try:
             import uvloop
-            return uvloop.run(serve(cfg))
+            return uvloop.run(serve(cfg, args.config))
         except ImportError:
-            return asyncio.run(serve(cfg))
+            return asyncio.run(serve(cfg, args.config))
     configure("info", "auto")
     log = get_logger("gateway.cli")
     if verb == "install-llama-server":

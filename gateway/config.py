@@ -49,6 +49,8 @@ __all__ = [
     "ModelConfig",
     "PlanDiff",
     "QueueConfig",
+    "ShutdownConfig",
+    "AdminConfig",
     "TimeoutsConfig",
     "WorkerPlan",
     "diff_plans",
@@ -194,6 +196,14 @@ def _v_opt_str(v: object) -> str | None:
     if isinstance(v, str) and v.strip():
         return os.path.expanduser(v)
     raise _Invalid(((), f"expected a non-empty string or null, got {_got(v)}"))
+
+
+def _v_opt_secret(v: object) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, str) and v.strip():
+        return v
+    raise _Invalid(((), f"expected a non-empty string or null, got {_got(v) if not isinstance(v, str) else 'an empty string'}"))
 
 
 def _v_str_list(v: object) -> list[str]:
@@ -462,6 +472,23 @@ class LogConfig(_Section):
     """"auto": JSON lines unless stderr is a TTY."""
 
 
+class ShutdownConfig(_Section):
+    """Graceful stop on SIGTERM (``shutdown:``)."""
+
+    drain_s: PositiveFloat = 30.0
+    """Seconds in-flight requests may run on after SIGTERM (and while a worker drains for a
+    reload or an admin restart) before they are ended with an error line. Keep systemd's
+    TimeoutStopSec above drain_s + llama_server.stop_grace_s."""
+
+
+class AdminConfig(_Section):
+    """The admin API (``admin:``): worker drain/undrain/restart and config reload."""
+
+    token: Annotated[Union[str, None], PlainValidator(_v_opt_secret)] = None
+    """Bearer token for ``/gateway/api/admin/*``; None: ``$LLAMA_GATEWAY_ADMIN_TOKEN``, and
+    without either the admin API answers 403."""
+
+
 class ModelConfig(_Section):
     """One served model (an entry of ``models:``).
 
@@ -566,7 +593,7 @@ class ModelConfig(_Section):
         return full.replace(":", "-").replace("/", "_")
 
 
-_SECTIONS = ("llama_server", "queue", "timeouts", "generation", "log")
+_SECTIONS = ("llama_server", "queue", "timeouts", "generation", "log", "shutdown", "admin")
 
 
 class GatewayConfig(_Section):
@@ -579,6 +606,8 @@ class GatewayConfig(_Section):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
     models: list[ModelConfig]
 
     _source: str = PrivateAttr(default="<config>")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 from gateway.admission import Admission
@@ -41,26 +42,86 @@ class Fleet:
         return max(1, (os.cpu_count() or 1) // max(1, n_cpu))
 
     def build(self, plans: list[WorkerPlan]) -> None:
-        ls = self.config.llama_server
         threads = self._threads(plans)
         for plan in plans:
-            mcfg = next(m for m in self.config.models if m.full_name == plan.model)
-            spec = LaunchSpec(worker_id=plan.id, binary=self.binary,
-                              model_path=self.model_paths[plan.model], alias=plan.model,
-                              gpus=plan.gpus, slots=plan.slots, context_per_slot=plan.context,
-                              threads=threads if plan.is_cpu else None,
-                              embeddings=mcfg.embeddings,
-                              extra_args=list(ls.extra_args) + list(mcfg.args))
-            sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
-                                   startup_timeout_s=ls.startup_timeout_s,
-                                   backoff_initial_s=ls.restart_backoff_initial_s,
-                                   backoff_max_s=ls.restart_backoff_max_s,
-                                   stop_grace_s=ls.stop_grace_s,
-                                   health_interval_s=ls.health_interval_s,
-                                   state_dir=self.state_dir)
-            self.supervisors[plan.id] = sup
-            self.plans[plan.id] = plan
-            self.admission.dispatcher.add_worker(plan.id, plan.model, plan.slots)
+            self._add(plan, threads)
+
+    def _add(self, plan: WorkerPlan, threads: int | None) -> WorkerSupervisor:
+        ls = self.config.llama_server
+        mcfg = next(m for m in self.config.models if m.full_name == plan.model)
+        spec = LaunchSpec(worker_id=plan.id, binary=self.binary,
+                          model_path=self.model_paths[plan.model], alias=plan.model,
+                          gpus=plan.gpus, slots=plan.slots, context_per_slot=plan.context,
+                          threads=threads if plan.is_cpu else None,
+                          embeddings=mcfg.embeddings,
+                          extra_args=list(ls.extra_args) + list(mcfg.args))
+        sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
+                               startup_timeout_s=ls.startup_timeout_s,
+                               backoff_initial_s=ls.restart_backoff_initial_s,
+                               backoff_max_s=ls.restart_backoff_max_s,
+                               stop_grace_s=ls.stop_grace_s,
+                               health_interval_s=ls.health_interval_s,
+                               state_dir=self.state_dir)
+        self.supervisors[plan.id] = sup
+        self.plans[plan.id] = plan
+        self.admission.dispatcher.add_worker(plan.id, plan.model, plan.slots)
+        return sup
+
+    # ---- live changes (reload, admin) -------------------------------------------------------
+    def draining(self, worker_id: str) -> bool:
+        view = self.admission.dispatcher.workers.get(worker_id)
+        return bool(view and view.draining)
+
+    def set_draining(self, worker_id: str, draining: bool) -> None:
+        """Take a worker out of (or back into) rotation; its running requests continue.
+        Raises KeyError for an unknown worker."""
+        if worker_id not in self.supervisors:
+            raise KeyError(worker_id)
+        self.admission.worker_draining(worker_id, draining)
+        log.info("worker.draining" if draining else "worker.undrained", worker=worker_id)
+
+    async def drain(self, worker_id: str, timeout_s: float) -> int:
+        """Stop new leases to ``worker_id`` and wait up to ``timeout_s`` seconds until its
+        running requests finished. Returns how many were still running at the deadline."""
+        self.set_draining(worker_id, True)
+        view = self.admission.dispatcher.workers[worker_id]
+        end = time.monotonic() + timeout_s
+        while view.busy and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        if view.busy:
+            log.warning("worker.drain_timeout", worker=worker_id, still_running=view.busy,
+                        drain_s=timeout_s)
+        return view.busy
+
+    async def remove_worker(self, worker_id: str, drain_s: float) -> None:
+        """Drain, stop (SIGTERM, grace, SIGKILL; reaped) and forget a worker."""
+        await self.drain(worker_id, drain_s)
+        sup = self.supervisors.pop(worker_id)
+        self.plans.pop(worker_id, None)
+        await sup.stop()
+        self.admission.dispatcher.remove_worker(worker_id)
+        log.info("worker.removed", worker=worker_id)
+
+    def add_worker(self, plan: WorkerPlan) -> WorkerSupervisor:
+        """Register and start a worker for ``plan`` (not in rotation until ready)."""
+        sup = self._add(plan, self._threads(list(self.plans.values()) + [plan]))
+        sup.start()
+        log.info("worker.added", worker=plan.id, slots=plan.slots, gpus=list(plan.gpus))
+        return sup
+
+    async def restart_worker(self, worker_id: str, drain_s: float,
+                             plan: WorkerPlan | None = None) -> WorkerSupervisor:
+        """Drain ``worker_id`` (new requests go to other workers or wait in the queue), stop
+        it, and start it again with ``plan`` (default: the same plan)."""
+        plan = plan or self.plans[worker_id]
+        order = list(self.supervisors)
+        restarts = self.supervisors[worker_id].restarts
+        await self.remove_worker(worker_id, drain_s)
+        sup = self.add_worker(plan)
+        sup.restarts = restarts + 1
+        self.supervisors = {k: self.supervisors[k] for k in order if k in self.supervisors} | \
+            self.supervisors  # keep the fleet's order for listings
+        return sup
 
     def _on_ready(self, sup: WorkerSupervisor) -> None:
         actual = getattr(sup, "actual_slots", sup.spec.slots)

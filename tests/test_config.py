@@ -345,3 +345,18 @@ def test_worker_id_clash():
     data = {"models": [{"name": "demo:7b", "path": "builtin:demo"}, {"name": "demo-7b", "path": "builtin:demo"}]}
     (err,) = errors_of(data)
     assert err.startswith('models[1].name: worker ids "demo-7b" would clash with those of models[0]')
+
+
+def test_shutdown_and_admin_sections():
+    from gateway.config import ConfigError, parse_config
+    base = {"models": [{"name": "demo", "path": "builtin:demo"}]}
+    c = parse_config(base)
+    assert c.shutdown.drain_s == 30.0 and c.admin.token is None
+    c = parse_config({**base, "shutdown": {"drain_s": 5}, "admin": {"token": "~tok"}})
+    assert c.shutdown.drain_s == 5.0 and c.admin.token == "~tok"  # a token is not a path
+    for bad, msg in [({"shutdown": {"drain_s": 0}}, "shutdown.drain_s: expected a positive number, got 0"),
+                     ({"admin": {"token": ""}}, "admin.token: expected a non-empty string or null"),
+                     ({"shutdown": {"drain": 1}}, 'shutdown.drain: unknown key (did you mean "drain_s"?)')]:
+        with pytest.raises(ConfigError) as e:
+            parse_config({**base, **bad})
+        assert msg in str(e.value)

@@ -1,33 +1,147 @@
-"""Gateway's own read-only status API under ``/gateway/api``.
+"""Gateway's own API under ``/gateway/api``: live status (open) and admin actions (token).
 
-``GET /gateway/api/workers`` → ``{"workers": [{id, model, state, detail, pid, port, gpus,
-slots, busy, restarts, n_ctx_slot}], "queue": {"depth", "max_pending"}}``. Worker keys are never
-shown.
+Read-only (no token):
+
+* ``GET /gateway/api/workers`` → ``{"workers": [{id, model, state, detail, draining, pid, port,
+  gpus, slots, busy, restarts, n_ctx_slot, kv_fill, deferred, tokens_per_s, gpu}],
+  "queue": {"depth", "max_pending", "by_priority": {prio: n}}, "in_flight", "shutting_down",
+  "gpus": [{index, name, util_percent, memory_used_bytes, memory_total_bytes, temperature_c,
+  power_w}], "recent_errors": [{time, source, message}]}``. ``kv_fill`` (0..1),
+  ``deferred`` and ``tokens_per_s`` are null while unknown; ``gpu`` is the first GPU's sample
+  or null. Worker keys are never shown.
+* ``GET /metrics``: Prometheus text (gateway/metrics.py).
+
+Admin (``Authorization: Bearer <admin.token>``; compared in constant time). No token
+configured: 403; header missing: 401 with ``WWW-Authenticate: Bearer``; wrong token: 403.
+Errors are ``{"error": "..."}``, application/json.
+
+* ``POST /gateway/api/admin/workers/{id}/drain``: out of rotation; running requests finish.
+* ``POST /gateway/api/admin/workers/{id}/undrain``: back into rotation.
+* ``POST /gateway/api/admin/workers/{id}/restart``: drain (up to ``shutdown.drain_s``), stop
+  (SIGTERM, ``stop_grace_s``, SIGKILL, reaped), start again; answers once it is ready again or
+  its startup timeout passed: ``{"worker", "state", "pid", "detail"}``.
+* ``POST /gateway/api/admin/reload``: reload the config file (gateway/reload.py);
+  200 with what changed, or 400 ``{"error", "errors": [...]}`` when the file is invalid.
 """
 
 from __future__ import annotations
 
+import hmac
+import os
+
 import orjson
 from aiohttp import web
 
+from gateway.api.errors import ApiError
+from gateway.logs import get_logger
+from gateway.metrics import worker_state
+from workers.gpu import read_gpu_stats
 
-async def workers(request: web.Request) -> web.Response:
-    gw = request.app["gw"]
+log = get_logger("gateway.api.admin")
+
+TOKEN_ENV = "LLAMA_GATEWAY_ADMIN_TOKEN"
+
+
+def _json(body, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def snapshot(gw) -> dict:
+    """The live state shown by ``/gateway/api/workers``, ``llama-gateway status`` and the page."""
+    gpus = read_gpu_stats()
     out = []
-    for sup in gw.fleet.supervisors.values() if gw.fleet else ():
+    for sup in list(gw.fleet.supervisors.values()) if gw.fleet else ():
         view = gw.dispatcher.workers.get(sup.id)
         proc = sup.process
+        ws = gw.worker_stats.get(sup.id)
+        g = gpus.get(sup.spec.gpus[0]) if sup.spec.gpus else None
         out.append({
-            "id": sup.id, "model": sup.spec.alias, "state": sup.state, "detail": sup.detail,
+            "id": sup.id, "model": sup.spec.alias, "state": worker_state(gw, sup),
+            "detail": sup.detail, "draining": bool(view and view.draining),
             "pid": proc.pid if proc and proc.returncode is None else None,
             "port": proc.port if proc else None, "gpus": list(sup.spec.gpus),
             "slots": view.slots if view else sup.spec.slots, "busy": view.busy if view else 0,
             "restarts": sup.restarts, "n_ctx_slot": sup.slots_n_ctx,
+            "kv_fill": ws.kv_fill, "deferred": ws.deferred,
+            "tokens_per_s": round(ws.tokens_per_s, 1) if ws.tokens_per_s is not None else None,
+            "gpu": g.__dict__ if g else None,
         })
-    body = {"workers": out, "queue": {"depth": len(gw.dispatcher.queue),
-                                      "max_pending": gw.dispatcher.max_pending}}
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+    return {"workers": out,
+            "queue": {"depth": len(gw.dispatcher.queue), "max_pending": gw.dispatcher.max_pending,
+                      "by_priority": {str(k): v for k, v in
+                                      sorted(gw.dispatcher.queue.depth_by_priority().items())}},
+            "in_flight": len(gw.inflight), "shutting_down": gw.draining,
+            "gpus": [g.__dict__ for g in gpus.values()],
+            "recent_errors": gw.metrics.errors.list()}
+
+
+async def workers(request: web.Request) -> web.Response:
+    return _json(snapshot(request.app["gw"]))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app["gw"].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def _check_token(request: web.Request) -> None:
+    gw = request.app["gw"]
+    expected = gw.config.admin.token or os.environ.get(TOKEN_ENV)
+    if not expected:
+        raise ApiError(403, f"admin API disabled: set admin.token in the config or {TOKEN_ENV}")
+    auth = request.headers.get("Authorization", "")
+    if not auth.startswith("Bearer "):
+        raise ApiError(401, "admin token required: Authorization: Bearer <token>",
+                       {"WWW-Authenticate": 'Bearer realm="llama-gateway admin"'})
+    if not hmac.compare_digest(auth[7:].strip().encode(), expected.encode()):
+        log.warning("admin.bad_token", remote=request.remote, path=request.path)
+        raise ApiError(403, "invalid admin token")
+
+
+def _worker(request: web.Request):
+    gw = request.app["gw"]
+    wid = request.match_info["worker"]
+    sup = gw.fleet.supervisors.get(wid) if gw.fleet else None
+    if sup is None:
+        raise ApiError(404, f"worker '{wid}' not found")
+    return gw, sup
+
+
+async def drain(request: web.Request) -> web.Response:
+    _check_token(request)
+    gw, sup = _worker(request)
+    gw.fleet.set_draining(sup.id, True)
+    return _json({"worker": sup.id, "draining": True, "busy": gw.dispatcher.workers[sup.id].busy})
+
+
+async def undrain(request: web.Request) -> web.Response:
+    _check_token(request)
+    gw, sup = _worker(request)
+    gw.fleet.set_draining(sup.id, False)
+    return _json({"worker": sup.id, "draining": False})
+
+
+async def restart(request: web.Request) -> web.Response:
+    _check_token(request)
+    gw, sup = _worker(request)
+    log.info("admin.restart", worker=sup.id)
+    new = await gw.fleet.restart_worker(sup.id, gw.config.shutdown.drain_s)
+    await new.wait_ready(gw.config.llama_server.startup_timeout_s)
+    return _json({"worker": new.id, "state": new.state, "detail": new.detail,
+                  "pid": new.process.pid if new.process else None})
+
+
+async def reload(request: web.Request) -> web.Response:
+    _check_token(request)
+    res = await request.app["gw"].reloader.reload()
+    if not res.ok:
+        return _json({"error": "config not reloaded: " + "; ".join(res.errors), **res.as_dict()}, 400)
+    return _json(res.as_dict())
 
 
 def routes() -> list[web.RouteDef]:
-    return [web.get("/gateway/api/workers", workers)]
+    return [web.get("/gateway/api/workers", workers), web.get("/metrics", metrics),
+            web.post("/gateway/api/admin/workers/{worker}/drain", drain),
+            web.post("/gateway/api/admin/workers/{worker}/undrain", undrain),
+            web.post("/gateway/api/admin/workers/{worker}/restart", restart),
+            web.post("/gateway/api/admin/reload", reload)]

@@ -37,6 +37,7 @@ from gateway.api.ollama_mapping import (
 )
 from gateway.inventory import ModelEntry, now_utc_z
 from gateway.logs import get_logger
+from gateway.metrics import note_first_byte, note_lease
 from gateway.upstream import UpstreamError, iter_sse
 from gateway.worker_calls import apply_template, detokenize, tokenize
 
@@ -208,8 +209,9 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     try:
         async with gw.upstream.request(ticket, path, upstream_body) as (lease, resp):
             st.t_loaded_ns = time.monotonic_ns()
-            request["worker"] = lease.worker.id
+            note_lease(request, lease)
             async for data in iter_sse(resp):
+                note_first_byte(request)
                 ev = orjson.loads(data)
                 if is_chat:
                     content, thinking = st.fold_chat(ev)
@@ -237,6 +239,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     if st.error:
         log.warning("request.upstream_error", request_id=request.get("request_id"),
                     worker=request.get("worker"), error=st.error, streamed=out is not None)
+        request["error"] = st.error
         if out is None:
             return ollama_error(st.error_status, st.error)
         await out.write(orjson.dumps({"error": st.error}) + b"\n")
@@ -253,7 +256,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
             await out.write(orjson.dumps({"error": msg}) + b"\n")
             await out.write_eof()
             return out
-    request["eval_count"] = obj.get("eval_count")
+    request["eval_count"], request["prompt_eval_count"] = obj.get("eval_count"), obj.get("prompt_eval_count")
     if not stream:
         return web.Response(body=orjson.dumps(obj), content_type="application/json")
     if out is None:

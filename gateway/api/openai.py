@@ -14,6 +14,7 @@ from gateway.admission import QueueFull, QueueTimeout
 from gateway.api.common import make_ticket, read_json, start_stream
 from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
 from gateway.logs import get_logger
+from gateway.metrics import note_first_byte, note_lease, note_openai_usage
 from gateway.upstream import UpstreamError, iter_sse
 
 log = get_logger("gateway.api.openai")
@@ -52,12 +53,13 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     out: web.StreamResponse | None = None
     try:
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
-            request["worker"] = lease.worker.id
+            note_lease(request, lease)
             if not stream:
                 data = await resp.read()
+                note_openai_usage(request, data)
                 return web.Response(body=data, content_type="application/json")
             out = await start_stream(request, "text/event-stream")
-            await _relay_stream(resp, out, include_usage)
+            await _relay_stream(request, resp, out, include_usage)
     except QueueFull:
         return openai_error(503, BUSY_MESSAGE, retry)
     except QueueTimeout:
@@ -67,6 +69,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
             e.status if 400 <= e.status < 500 or e.status in (502, 503, 504) else 500)
         log.warning("request.upstream_error", request_id=request.get("request_id"),
                     worker=request.get("worker"), error=e.message, streamed=out is not None)
+        request["error"] = e.message
         if out is None:
             return openai_error(status, e.message)
         await out.write(_sse(openai_error_body(status, e.message)))
@@ -91,13 +94,19 @@ def _sse(obj) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _relay_stream(resp, out: web.StreamResponse, include_usage: bool) -> None:
+async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
+                        include_usage: bool) -> None:
     """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
     with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
     it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
     itself, which is split off here. An upstream ``{"error": …}`` event ends the stream
     (raised as UpstreamError so the caller writes an OpenAI error event)."""
     async for data in iter_sse(resp):
+        note_first_byte(request)
+        if b'"usage"' not in data and b'"error"' not in data:
+            await out.write(b"data: " + data + b"\n\n")  # hot path: pass the event through
+            continue
+        note_openai_usage(request, data)
         ev = orjson.loads(data)
         if "error" in ev:
             err = ev["error"]

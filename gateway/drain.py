@@ -1,0 +1,79 @@
+"""Graceful stop (SIGTERM, ``systemctl stop``): stop accepting, drain, end the rest, stop workers.
+
+Sequence (field case 17; each step is logged):
+
+1. ``STOPPING=1`` to systemd; the listening sockets close and idle keep-alive connections are
+   closed, so new connections are refused; a request that still arrives on an open connection
+   is answered 503 with ``Connection: close`` (middleware).
+2. Requests already accepted (running or queued) get up to ``shutdown.drain_s`` seconds.
+3. What is left then: queued requests are answered 503 (their queue timeout is set to now);
+   running ones end when the workers stop: the worker stream breaks and the API handlers end
+   it with an ``{"error": ...}`` line (NDJSON) or an error event (SSE), or a JSON 502 when
+   nothing was sent yet.
+4. Workers stop: SIGTERM, ``llama_server.stop_grace_s``, SIGKILL, reaped.
+5. The HTTP server closes; ``serve()`` returns 0.
+
+Worst case from SIGTERM to exit: ``drain_s + stop_grace_s`` + a few seconds; systemd's
+``TimeoutStopSec`` must be above that (deploy/llama-gateway.service uses drain 30 + grace 10 → 60).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from gateway.logs import get_logger
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = get_logger("gateway.drain")
+
+
+async def _wait_idle(gw: "Gateway", timeout_s: float) -> int:
+    """Wait until no request is in flight or ``timeout_s`` passed; returns how many remain."""
+    end = time.monotonic() + timeout_s
+    while gw.inflight and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    return len(gw.inflight)
+
+
+async def stop_accepting(gw: "Gateway") -> None:
+    """Close the listening sockets and idle keep-alive connections (step 1)."""
+    gw.draining = True
+    runner = gw.runner
+    if runner is None:
+        return
+    for site in list(runner.sites):
+        await site.stop()
+    if runner.server is not None:
+        runner.server.pre_shutdown()
+
+
+async def graceful_stop(gw: "Gateway") -> None:
+    """Run the whole sequence of the module docstring. Never raises."""
+    drain_s = gw.config.shutdown.drain_s
+    t0 = time.monotonic()
+    gw.notifier.stopping(f"draining {len(gw.inflight)} requests (up to {drain_s:g} s)")
+    log.info("gateway.draining", in_flight=len(gw.inflight), drain_s=drain_s)
+    try:
+        await stop_accepting(gw)
+        left = await _wait_idle(gw, drain_s)
+        if left:
+            queued = list(gw.dispatcher.queue)
+            log.warning("gateway.drain_timeout", still_running=left, queued=len(queued),
+                        drain_s=drain_s)
+            for t in queued:  # answered 503 by the admission expiry loop
+                t.queue_timeout_s = 0.0
+        else:
+            log.info("gateway.drained", s=round(time.monotonic() - t0, 3))
+        gw.notifier.status("stopping workers")
+        if gw.fleet:
+            await gw.fleet.stop()
+        # Handlers whose worker stream broke now write their error line and return.
+        left = await _wait_idle(gw, 5.0)
+        if left:
+            log.warning("gateway.requests_cut", count=left)
+    except Exception as e:  # a bug here must not keep the process (and systemd) waiting
+        log.exception("gateway.drain_failed", error=str(e))

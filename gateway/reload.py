@@ -1,0 +1,118 @@
+"""Hot reload of gateway.yaml (SIGHUP, ``POST /gateway/api/admin/reload``).
+
+Validate first: a file that does not load, validate or plan changes nothing, and the reason
+is logged (``config.reload_rejected`` with the key-path errors) and returned.
+
+Then apply only the difference (:func:`gateway.config.diff_plans`):
+
+* settings without processes (queue, timeouts, generation, log, shutdown, admin, model
+  priorities/aliases) take effect at once for new requests;
+* ``added`` workers start (they join rotation when ready);
+* ``changed`` workers restart one at a time: drain (no new leases; running requests finish,
+  up to ``shutdown.drain_s``), stop, start with the new plan (e.g. a new ``-np`` after a slot
+  change), wait until ready, then the next one. Meanwhile requests go to the model's other
+  workers or wait in the queue, so none is dropped;
+* ``removed`` workers drain and stop.
+
+``listen`` cannot change without a restart; a change is logged and otherwise ignored.
+Reloads are serialised; systemd sees ``RELOADING=1`` … ``READY=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gateway.config import ConfigError, load_config, plan_workers
+from gateway.logs import configure, get_logger
+from workers.gpu import detect_gpus
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = get_logger("gateway.reload")
+
+
+@dataclass
+class ReloadResult:
+    """What a reload did. ``ok`` False: nothing changed and ``errors`` say why."""
+
+    ok: bool
+    errors: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Reloader:
+    """Reloads ``path`` into the running gateway ``gw``."""
+
+    def __init__(self, gw: "Gateway", path: str | None):
+        self.gw = gw
+        self.path = path
+        self._lock = asyncio.Lock()
+
+    async def reload(self) -> ReloadResult:
+        async with self._lock:
+            gw = self.gw
+            gw.notifier.reloading()
+            try:
+                res = await self._reload()
+            finally:
+                gw.notifier.ready(gw.fleet_status())
+            gw.metrics.reloads.labels("ok" if res.ok else "rejected").inc()
+            return res
+
+    async def _reload(self) -> ReloadResult:
+        gw = self.gw
+        if not self.path:
+            return ReloadResult(False, ["the gateway was not started from a config file"])
+        log.info("config.reloading", path=self.path)
+        try:
+            new = await asyncio.to_thread(load_config, self.path)
+            plans = plan_workers(new, await asyncio.to_thread(detect_gpus))
+            models = await gw.load_models(new)
+        except ConfigError as e:
+            errors = str(e).splitlines()  # "<file>: <key path>: <what>" per line
+            log.error("config.reload_rejected", path=self.path, errors=errors)
+            return ReloadResult(False, errors)
+        except (OSError, ValueError) as e:
+            log.error("config.reload_rejected", path=self.path, errors=[str(e)])
+            return ReloadResult(False, [f"{self.path}: {e}"])
+        old = gw.config
+        diff = gw.diff_with(new, plans)
+        res = ReloadResult(True, added=[p.id for p in diff.added],
+                           changed=[p.id for p in diff.changed],
+                           removed=[p.id for p in diff.removed],
+                           unchanged=[p.id for p in diff.unchanged])
+        if new.listen != old.listen:
+            note = f"listen: {old.listen!r} -> {new.listen!r} needs a restart; still {old.listen!r}"
+            log.warning("config.reload_needs_restart", key="listen", old=old.listen, new=new.listen)
+            res.notes.append(note)
+            new = new.model_copy(update={"listen": old.listen})
+        gw.apply_settings(new, models)
+        if (new.log.level, new.log.format) != (old.log.level, old.log.format):
+            configure(new.log.level, new.log.format)
+        drain_s = new.shutdown.drain_s
+        fleet = gw.fleet
+        for plan in diff.added:
+            fleet.add_worker(plan)
+        for plan in diff.changed:  # one at a time, each drained first
+            log.info("worker.reload_restart", worker=plan.id, slots=plan.slots,
+                     context=plan.context)
+            sup = await fleet.restart_worker(plan.id, drain_s, plan)
+            if not await sup.wait_ready(new.llama_server.startup_timeout_s):
+                log.warning("worker.reload_not_ready", worker=plan.id, state=sup.state,
+                            detail=sup.detail)
+        for plan in diff.removed:
+            await fleet.remove_worker(plan.id, drain_s)
+        gw.forget_unserved()
+        log.info("config.reloaded", path=self.path, added=res.added, changed=res.changed,
+                 removed=res.removed, unchanged=len(res.unchanged))
+        return res

@@ -1,0 +1,293 @@
+"""Hot reload under load, SIGTERM under load (field case 17), supervision cases 13, 14, 15."""
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import base_config, free_port, llama_server_pids, pid_alive, start_gateway
+from workers.provision import cache_root, ensure_llama_server
+
+pytestmark = pytest.mark.slow
+
+
+def _two_models(port: int, **over) -> dict:
+    return base_config(port, models=[
+        {"name": "alpha", "path": "builtin:demo", "slots": 2, "context": 1024, "cpu": 1},
+        {"name": "beta", "path": "builtin:demo", "slots": 2, "context": 1024, "cpu": 1}], **over)
+
+
+def _argv_np(pid: int) -> int:
+    argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    return int(argv[argv.index(b"-np") + 1])
+
+
+class Load:
+    """``n`` client threads sending requests back to back until stopped; records every result."""
+
+    def __init__(self, url: str, n: int, models=("alpha", "beta"), num_predict: int = 30):
+        self.url, self.stop_evt, self.results = url, threading.Event(), []
+        self.threads = [threading.Thread(target=self._run, args=(models[i % len(models)], num_predict))
+                        for i in range(n)]
+
+    def _run(self, model: str, num_predict: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not self.stop_evt.is_set():
+                try:
+                    r = c.post(self.url + "/api/generate", json={
+                        "model": model, "prompt": "x", "raw": True, "stream": False,
+                        "options": {"num_predict": num_predict}})
+                    done = r.status_code == 200 and r.json().get("done") is True
+                    self.results.append((model, r.status_code, r.text[:200], done))
+                except httpx.HTTPError as e:
+                    self.results.append((model, 0, repr(e), False))
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_evt.set()
+        for t in self.threads:
+            t.join(120)
+
+
+def test_reload_under_load_restarts_only_the_changed_worker(gateway_factory):
+    gw = gateway_factory(_two_models(free_port(), shutdown={"drain_s": 30}))
+    before = {w["id"]: w for w in gw.workers()}
+    assert _argv_np(before["alpha-cpu0"]["pid"]) == 2
+    cfg = yaml.safe_load(gw.cfg_path.read_text())
+    with Load(gw.url, 6) as load:
+        time.sleep(1.0)
+        cfg["models"][0]["slots"] = 3
+        gw.cfg_path.write_text(yaml.safe_dump(cfg))
+        gw.proc.send_signal(signal.SIGHUP)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            ws = {w["id"]: w for w in gw.workers()}
+            if ws["alpha-cpu0"]["pid"] not in (None, before["alpha-cpu0"]["pid"]) \
+                    and ws["alpha-cpu0"]["state"] == "ready":
+                break
+            time.sleep(0.1)
+        time.sleep(1.0)  # keep the load on the restarted worker for a moment
+    after = {w["id"]: w for w in gw.workers()}
+    fails = [r for r in load.results if r[1] != 200 or not r[3]]
+    assert len(load.results) > 20 and not fails, fails[:5]
+    assert {r[0] for r in load.results} == {"alpha", "beta"}
+    assert after["alpha-cpu0"]["pid"] != before["alpha-cpu0"]["pid"]
+    assert _argv_np(after["alpha-cpu0"]["pid"]) == 3 and after["alpha-cpu0"]["slots"] == 3
+    assert not pid_alive(before["alpha-cpu0"]["pid"])
+    assert after["beta-cpu0"]["pid"] == before["beta-cpu0"]["pid"]  # unchanged worker kept
+    log = gw.log_path.read_text()
+    assert '"changed": ["alpha-cpu0"]' in log and '"worker": "alpha-cpu0", "event": "worker.draining"' in log
+
+    # A broken file changes nothing and the log says why.
+    gw.cfg_path.write_text(gw.cfg_path.read_text().replace("slots: 3", "slots: three"))
+    gw.proc.send_signal(signal.SIGHUP)
+    end = time.monotonic() + 10
+    while "config.reload_rejected" not in gw.log_path.read_text() and time.monotonic() < end:
+        time.sleep(0.1)
+    rejected = [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
+                if "config.reload_rejected" in ln]
+    assert rejected and "models[0].slots: expected a positive integer, got \"three\"" in rejected[0]["errors"][0]
+    time.sleep(0.5)
+    assert {w["id"]: w["pid"] for w in gw.workers()} == {k: v["pid"] for k, v in after.items()}
+    assert httpx.post(gw.url + "/api/generate", json={"model": "alpha", "prompt": "x", "raw": True,
+                      "stream": False, "options": {"num_predict": 3}}, timeout=30).status_code == 200
+
+
+def test_reload_adds_and_removes_workers_via_admin(gateway_factory):
+    gw = gateway_factory(_two_models(free_port(), admin={"token": "t"}))
+    cfg = yaml.safe_load(gw.cfg_path.read_text())
+    old_beta = {w["id"]: w for w in gw.workers()}["beta-cpu0"]["pid"]
+    cfg["models"][1]["cpu"] = 0 or 1
+    cfg["models"].append({"name": "gamma", "path": "builtin:demo", "slots": 1, "context": 512, "cpu": 1})
+    cfg["models"].pop(0)  # alpha removed
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers={"Authorization": "Bearer t"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["added"] == ["gamma-cpu0"] and r.json()["removed"] == ["alpha-cpu0"]
+    ws = gw.wait_ready(60, n=2)
+    assert sorted(w["id"] for w in ws) == ["beta-cpu0", "gamma-cpu0"]
+    assert next(w for w in ws if w["id"] == "beta-cpu0")["pid"] == old_beta
+    g = httpx.post(gw.url + "/api/generate", json={"model": "gamma", "prompt": "x", "raw": True,
+                   "stream": False, "options": {"num_predict": 3}}, timeout=30)
+    assert g.status_code == 200
+    a = httpx.post(gw.url + "/api/generate", json={"model": "alpha", "prompt": "x"}, timeout=30)
+    assert a.status_code == 404
+    names = [m["name"] for m in httpx.get(gw.url + "/api/tags").json()["models"]]
+    assert names == ["beta:latest", "gamma:latest"]
+
+
+def test_sigterm_under_load_drains_and_exits_zero(tmp_path):
+    cfg = base_config(free_port(), shutdown={"drain_s": 10})
+    gw = start_gateway(tmp_path, cfg)
+    pids = [w["pid"] for w in gw.workers()]
+    with Load(gw.url, 6, models=("demo",), num_predict=200) as load:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+        rc = gw.proc.wait(30)
+        took = time.monotonic() - t0
+    assert rc == 0 and took < 10 + 10, (rc, took)
+    # requests in flight at SIGTERM completed (drain); later ones were refused at connect
+    ok = [r for r in load.results if r[1] == 200]
+    other = [r for r in load.results if r[1] not in (200, 0, 503)]
+    assert ok and not other, (other[:3], load.results[:5])
+    assert all(r[3] for r in ok)
+    refused = [r for r in load.results if r[1] == 0]
+    assert all("Connect" in r[2] or "RemoteProtocol" in r[2] for r in refused), refused[:3]
+    assert not any(pid_alive(p) for p in pids)
+    assert '"event": "gateway.drained"' in gw.log_path.read_text()
+
+
+def test_field_17_sigterm_with_two_long_generations(tmp_path):
+    """drain_s 2 s, two streams that would run far longer: both end with an error line
+    (NDJSON and SSE), the gateway exits 0 well inside drain + stop grace, nothing left."""
+    cfg = base_config(free_port(), shutdown={"drain_s": 2},
+                      llama_server={"threads": 1, "stop_grace_s": 3},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 2,
+                               "context": 65536, "cpu": 1}])
+    gw = start_gateway(tmp_path, cfg)
+    pids = [w["pid"] for w in gw.workers()]
+    out: dict[str, list[str]] = {}
+
+    def ollama():
+        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
+            out["ollama"] = [ln for ln in r.iter_lines() if ln]
+
+    def openai():
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
+                "model": "demo", "prompt": "x", "max_tokens": 60000, "stream": True}) as r:
+            out["openai"] = [ln for ln in r.iter_lines() if ln]
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        futs = [ex.submit(ollama), ex.submit(openai)]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+        rc = gw.proc.wait(30)
+        took = time.monotonic() - t0
+        for f in futs:
+            f.result(30)
+    assert rc == 0 and 2 <= took < 2 + 3 + 3, took
+    last = json.loads(out["ollama"][-1])
+    assert "error" in last and len(out["ollama"]) > 10
+    assert all(json.loads(ln).get("done") is False for ln in out["ollama"][:-1])
+    assert out["openai"][-1].startswith("data: ") and '"error"' in out["openai"][-1]
+    assert not any(pid_alive(p) for p in pids)
+    assert '"event": "gateway.drain_timeout"' in gw.log_path.read_text()
+
+
+def test_field_13_startup_timeout_backoff_retry(tmp_path, gateway_factory):
+    """The binary is a deliberately slow fake wrapper: its first two starts sleep 4 s (over
+    the 1.5 s startup timeout), later starts exec the real llama-server at once."""
+    real = ensure_llama_server()
+    counter = tmp_path / "starts"
+    wrapper = tmp_path / "slow-first-starts-fake-llama-server"
+    wrapper.write_text(f"""#!/bin/sh
+n=$(cat '{counter}' 2>/dev/null || echo 0); n=$((n+1)); echo $n > '{counter}'
+if [ $n -le 2 ]; then sleep 4; fi
+exec '{real}' "$@"
+""")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    cfg = base_config(free_port(), llama_server={"binary": str(wrapper), "threads": 1,
+                                                 "startup_timeout_s": 1.5,
+                                                 "restart_backoff_initial_s": 1.0},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1, "context": 512,
+                               "cpu": 1}])
+    gw = gateway_factory(cfg, wait=False)
+    seen = None
+    end = time.monotonic() + 30
+    while time.monotonic() < end and seen is None:
+        for m in httpx.get(gw.url + "/api/ps").json()["models"]:
+            for w in m["workers"]:
+                if "startup timeout" in w["detail"]:
+                    seen = w
+        time.sleep(0.05)
+    assert seen is not None and seen["state"] == "backoff"
+    assert seen["detail"] == "startup timeout after 1.5 s"
+    ws = gw.wait_ready(60)
+    assert ws[0]["restarts"] == 2 and int(counter.read_text()) == 3
+    log = gw.log_path.read_text()
+    assert log.count('"reason": "startup timeout after 1.5 s"') == 2  # each retry logged with cause
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "x", "raw": True,
+                   "stream": False, "options": {"num_predict": 3}}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_field_14_kill9_then_next_start_reaps_stale_worker(tmp_path):
+    port = free_port()
+    gw = start_gateway(tmp_path, base_config(port))
+    pids = [w["pid"] for w in gw.workers()]
+    gw.proc.kill()
+    gw.proc.wait()
+    end = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids)  # PDEATHSIG took the workers along
+    # A survivor (started outside any gateway, so no PDEATHSIG) recorded in the pid file dir
+    # of this listen address, as an earlier gateway would have left it.
+    real = ensure_llama_server()
+    from workers.demo_model import ensure_demo_model
+    stale = subprocess.Popen([str(real), "-m", str(ensure_demo_model()), "--port", str(free_port()),
+                              "-c", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "LD_LIBRARY_PATH": str(real.resolve().parent)})
+    try:
+        state_dir = cache_root() / "run" / f"127.0.0.1_{port}"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        (state_dir / "demo-cpu0.pid").write_text(f"{stale.pid}\n{real}\n")
+        gw2 = start_gateway(tmp_path, base_config(port))
+        try:
+            assert stale.wait(10) == -signal.SIGKILL
+            assert f'"pid": {stale.pid}, "event": "gateway.stale_worker_reaped"' in gw2.log_path.read_text()
+        finally:
+            assert gw2.stop() == 0
+    finally:
+        if stale.poll() is None:
+            stale.kill()
+            stale.wait()
+
+
+def test_field_15_wedged_worker_restart_sigkill_respawn(gateway_factory):
+    """A worker that does not react to SIGTERM (SIGSTOPped: a real wedge). Admin restart:
+    drain, SIGTERM, 1 s grace, SIGKILL, reaped, port free, respawn; meanwhile requests run on
+    the other worker; the stop timeout is logged with its cause."""
+    gw = gateway_factory(llama_server={"threads": 1, "stop_grace_s": 1}, admin={"token": "t"},
+                         shutdown={"drain_s": 2})
+    victim = {w["id"]: w for w in gw.workers()}["demo-cpu1"]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    req = {"model": "demo", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 20}}
+    with cf.ThreadPoolExecutor(4) as ex:
+        restart = ex.submit(httpx.post, gw.url + "/gateway/api/admin/workers/demo-cpu1/restart",
+                            headers={"Authorization": "Bearer t"}, timeout=60)
+        time.sleep(0.2)
+        rs = list(ex.map(lambda _: httpx.post(gw.url + "/api/generate", json=req, timeout=60), range(6)))
+        res = restart.result()
+    assert [r.status_code for r in rs] == [200] * 6
+    assert res.status_code == 200 and res.json()["state"] == "ready", res.text
+    assert res.json()["pid"] != victim["pid"] and not pid_alive(victim["pid"])
+    with socket.socket() as s:  # nothing listens on the old port any more
+        assert s.connect_ex(("127.0.0.1", victim["port"])) != 0
+    with socket.socket() as s:  # and a server can bind it again (SO_REUSEADDR, as llama-server)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", victim["port"]))
+    log = gw.log_path.read_text()
+    assert '"worker": "demo-cpu1", "gpu": "cpu", "grace_s": 1.0, "event": "worker.stop_timeout"' in log
+    served_by = [json.loads(ln)["worker"] for ln in log.splitlines()
+                 if '"request.done"' in ln and '"/api/generate"' in ln]
+    assert served_by == ["demo-cpu0"] * 6
+    after = {w["id"]: w for w in gw.workers()}
+    assert after["demo-cpu1"]["restarts"] == 1 and after["demo-cpu1"]["state"] == "ready"
+    assert llama_server_pids() >= {after["demo-cpu0"]["pid"], after["demo-cpu1"]["pid"]}

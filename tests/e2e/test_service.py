@@ -1,0 +1,223 @@
+"""The gateway as a service: sd_notify, /metrics, admin API and CLI, the status page."""
+
+import concurrent.futures as cf
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import ROOT, base_config, free_port, pid_alive, start_gateway
+from workers.provision import ensure_llama_server
+
+pytestmark = pytest.mark.slow
+
+ARTIFACTS = ROOT / "tests" / "artifacts"
+
+
+def _samples(text: str) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _stop(gw) -> None:
+    pids = [w["pid"] for w in gw.workers() if w.get("pid")]
+    assert gw.stop() == 0, gw.log_tail()
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_notify_ready_after_workers_healthy_then_watchdog(tmp_path):
+    """A real NOTIFY_SOCKET owned by the test. Workers start through a deliberately slow
+    wrapper (sleeps 2 s, then execs llama-server), so there is a window before READY=1."""
+    real = ensure_llama_server()
+    wrapper = tmp_path / "slow-start-fake-wrapper"
+    wrapper.write_text(f"#!/bin/sh\nsleep 2\nexec '{real}' \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.2)
+    cfg = base_config(free_port(), llama_server={"binary": str(wrapper), "threads": 1})
+    gw = start_gateway(tmp_path, cfg, wait=False,
+                       env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"})
+    msgs: list[tuple[float, str, list]] = []
+    ready_states = None
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            try:
+                data = sock.recv(4096).decode()
+            except socket.timeout:
+                continue
+            msgs.append((time.monotonic(), data, []))
+            if "READY=1" in data.split("\n"):
+                ready_states = [w["state"] for w in gw.workers()]
+                break
+        assert ready_states == ["ready", "ready"], msgs
+        pre = [m for _, m, _ in msgs[:-1]]
+        # before READY: status lines that carried worker states, none saying all ready
+        assert any("STATUS=0/2 workers ready" in m for m in pre), pre
+        assert not any("READY=1" in m.split("\n") for m in pre)
+        # then watchdog pings every WATCHDOG_USEC/2 = 0.2 s
+        pings = []
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            try:
+                if sock.recv(4096).decode() == "WATCHDOG=1":
+                    pings.append(time.monotonic())
+            except socket.timeout:
+                pass
+        assert len(pings) >= 4, pings
+        gw.proc.send_signal(15)
+        stopping = False
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not stopping:
+            try:
+                stopping = "STOPPING=1" in sock.recv(4096).decode()
+            except socket.timeout:
+                pass
+        assert stopping
+    finally:
+        assert gw.stop() == 0
+        sock.close()
+
+
+def test_metrics_count_requests_and_tokens(gateway):
+    gw = gateway
+    n = 5
+    req = {"model": "demo", "prompt": "x", "raw": True, "stream": False,
+           "options": {"num_predict": 7}}
+    for _ in range(n):
+        assert httpx.post(gw.url + "/api/generate", json=req, timeout=60).status_code == 200
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200
+    assert httpx.post(gw.url + "/api/generate", json={"model": "nope", "prompt": "x"}).status_code == 404
+    time.sleep(2.5)  # one worker stats poll
+    resp = httpx.get(gw.url + "/metrics")
+    assert resp.headers["content-type"].startswith("text/plain")
+    s = _samples(resp.text)
+    m = (("model", "demo:latest"),)
+    assert s[("llama_gateway_requests_total",
+              (("endpoint", "/api/generate"), ("model", "demo:latest"), ("status", "200")))] == n
+    assert s[("llama_gateway_requests_total",
+              (("endpoint", "/api/generate"), ("model", ""), ("status", "404")))] == 1
+    assert s[("llama_gateway_generated_tokens_total", m)] == n * 7 + 3
+    assert s[("llama_gateway_time_to_first_token_seconds_count", m)] == n
+    assert s[("llama_gateway_request_duration_seconds_count",
+              (("endpoint", "/v1/chat/completions"), ("model", "demo:latest")))] == 1
+    assert s[("llama_gateway_prompt_tokens_total", m)] >= n
+    w0 = (("gpu", "cpu"), ("model", "demo:latest"), ("worker", "demo-cpu0"))
+    assert s[("llama_gateway_worker_slots", w0)] == 2
+    assert s[("llama_gateway_worker_slots_busy", w0)] == 0
+    assert s[("llama_gateway_worker_up", w0)] == 1
+    assert s[("llama_gateway_worker_state", w0[:2] + (("state", "ready"),) + w0[2:])] == 1
+    assert s[("llama_gateway_worker_restarts_total", w0)] == 0
+    assert s[("llama_gateway_worker_kv_fill_ratio", w0)] == 0  # idle worker
+    assert s[("llama_gateway_worker_requests_deferred", w0)] == 0
+    assert s[("llama_gateway_queue_depth", (("priority", "0"),))] == 0
+
+
+def test_admin_token_drain_undrain_restart_and_cli_status(gateway_factory):
+    gw = gateway_factory(admin={"token": "s3cret"})
+    api = gw.url + "/gateway/api/admin/workers/demo-cpu1"
+    r = httpx.post(api + "/drain")
+    assert r.status_code == 401 and r.json()["error"].startswith("admin token required")
+    assert r.headers["content-type"] == "application/json"
+    r = httpx.post(api + "/drain", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 403 and r.json() == {"error": "invalid admin token"}
+    r = httpx.post(gw.url + "/gateway/api/admin/workers/nope/drain",
+                   headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 404
+    env = {**os.environ, "LLAMA_GATEWAY_ADMIN_TOKEN": "s3cret", "LLAMA_GATEWAY_URL": gw.url}
+    cli = [sys.executable, "-m", "gateway"]
+    out = subprocess.run(cli + ["worker", "drain", "demo-cpu1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    # a drained worker gets no new requests: 4 concurrent requests all run on demo-cpu0
+    req = {"model": "demo", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 300}}
+    with cf.ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(httpx.post, gw.url + "/api/generate", json=req, timeout=60) for _ in range(4)]
+        time.sleep(0.2)
+        table = subprocess.run(cli + ["status"], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert all(f.result().status_code == 200 for f in futs)
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:4] == ["WORKER", "GPU", "STATE", "SLOTS"]
+    rows = {ln.split()[0]: ln.split() for ln in lines[1:3]}
+    assert rows["demo-cpu1"][2] == "draining" and rows["demo-cpu1"][3] == "0/2"
+    assert rows["demo-cpu0"][2] == "ready"
+    assert lines[3].startswith("queue ")
+    log = gw.log_path.read_text()
+    assert '"worker": "demo-cpu1", "event": "request.done"' not in log
+    assert subprocess.run(cli + ["worker", "undrain", "demo-cpu1"], cwd=ROOT, env=env).returncode == 0
+    before = {w["id"]: w for w in gw.workers()}
+    assert before["demo-cpu1"]["draining"] is False
+    out = subprocess.run(cli + ["worker", "restart", "demo-cpu1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    after = {w["id"]: w for w in gw.workers()}
+    assert after["demo-cpu1"]["state"] == "ready"
+    assert after["demo-cpu1"]["pid"] != before["demo-cpu1"]["pid"]
+    assert not pid_alive(before["demo-cpu1"]["pid"])
+    assert after["demo-cpu0"]["pid"] == before["demo-cpu0"]["pid"]
+    bad = subprocess.run(cli + ["worker", "drain", "demo-cpu1"], cwd=ROOT,
+                         env={**env, "LLAMA_GATEWAY_ADMIN_TOKEN": "x"}, capture_output=True, text=True)
+    assert bad.returncode == 1 and "HTTP 403: invalid admin token" in bad.stderr
+
+
+def test_access_log_one_event_per_request(gateway):
+    r = httpx.post(gateway.url + "/api/generate", headers={"X-Request-ID": "rid-123", "X-Priority": "3"},
+                   json={"model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 5}})
+    assert r.status_code == 200 and r.headers["X-Request-ID"] == "rid-123"
+    import json
+    time.sleep(0.2)
+    events = [json.loads(ln) for ln in gateway.log_path.read_text().splitlines()
+              if ln.startswith("{") and '"rid-123"' in ln]
+    done = [e for e in events if e["event"] == "request.done"]
+    assert len(done) == 1
+    e = done[0]
+    assert e["status"] == 200 and e["model"] == "demo:latest" and e["priority"] == 3
+    assert e["worker"] in ("demo-cpu0", "demo-cpu1") and e["eval_count"] == 5
+    assert e["ttft_ms"] > 0 and e["queue_wait_ms"] >= 0 and e["ms"] >= e["ttft_ms"]
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def test_status_page_renders_in_headless_chromium(gateway):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium not installed (apt-get install -y chromium); status page not rendered")
+    assert httpx.get(gateway.url + "/").text == "Ollama is running"
+    page = httpx.get(gateway.url + "/gateway")
+    assert page.headers["content-type"].startswith("text/html")
+    assert "<script src" not in page.text and "http" not in page.text.split("<script>")[1].split("fetch(")[0]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "status_page.png"
+    shot.unlink(missing_ok=True)
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--virtual-time-budget=4000", f"--user-data-dir={ARTIFACTS / 'chromium-profile'}"]
+    dom = subprocess.run(common + ["--dump-dom", gateway.url + "/gateway"], capture_output=True,
+                         text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    for wid in ("demo-cpu0", "demo-cpu1"):
+        assert f'data-worker="{wid}"' in dom.stdout
+    assert "2/2 workers ready" in dom.stdout
+    subprocess.run(common + ["--window-size=1300,500", f"--screenshot={shot}", gateway.url + "/gateway"],
+                   capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 5000
+    shutil.rmtree(ARTIFACTS / "chromium-profile", ignore_errors=True)
+
+
+_ = Path
