@@ -5,6 +5,8 @@ Verbs:
   install-llama-server     find or build the llama-server binary now (shows build progress)
   demo-model               write the small offline demo GGUF
   check-config             validate a config file and print the worker plan
+  hash-key [KEY|-]         print the SHA-256 to put in auth.keys[].sha256 (no KEY: a new
+                           random key is generated and printed too; "-": read it from stdin)
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--path", default=None)
     c = sub.add_parser("check-config", help="validate a config and show the worker plan")
     c.add_argument("-c", "--config", default="gateway.yaml")
+    h = sub.add_parser("hash-key", help="hash an API key for auth.keys (or make a new one)")
+    h.add_argument("key", nargs="?", default=None,
+                   help='the key; "-" reads it from stdin; omitted: generate one')
     return p
 
 
@@ -64,6 +69,20 @@ def main(argv: list[str] | None = None) -> int:
             return uvloop.run(serve(cfg))
         except ImportError:
             return asyncio.run(serve(cfg))
+    if verb == "hash-key":
+        from gateway.auth import hash_key, new_key
+        key = args.key
+        if key == "-":
+            key = sys.stdin.read().strip("\r\n")
+        if key is None:
+            key = new_key()
+            sys.stdout.write(f"key:    {key}\nsha256: {hash_key(key)}\n")
+            return 0
+        if not key:
+            sys.stderr.write("llama-gateway: empty key\n")
+            return 2
+        sys.stdout.write(hash_key(key) + "\n")
+        return 0
     configure("info", "auto")
     log = get_logger("gateway.cli")
     if verb == "install-llama-server":

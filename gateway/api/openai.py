@@ -13,7 +13,7 @@ from aiohttp import web
 from gateway.admission import QueueFull, QueueTimeout
 from gateway.api.common import STREAM_HEADERS, make_ticket, read_json
 from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
-from gateway.upstream import UpstreamError
+from gateway.upstream import UpstreamError, iter_raw, read_all
 
 
 def _gw(request: web.Request):
@@ -47,13 +47,13 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
             request["worker"] = lease.worker.id
             if not stream:
-                data = await resp.read()
+                data = await read_all(resp)
                 return web.Response(body=data, content_type="application/json")
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                           **STREAM_HEADERS})
             out.enable_chunked_encoding()
             await out.prepare(request)
-            async for chunk in resp.content.iter_any():
+            async for chunk in iter_raw(resp):
                 await out.write(chunk)
     except QueueFull:
         return openai_error(503, BUSY_MESSAGE, retry)
