@@ -7,7 +7,7 @@ lease, so possibly another worker) instead of reaching the user.
 
 Time limits (field cases 6, 10, 11): waiting for the response headers (llama-server sends them
 with its first result, server-context.cpp) is bounded by ``first_byte_s`` for streamed
-requests and by the request deadline otherwise; a timeout there is retried once elsewhere.
+requests and by the request deadline otherwise; a timeout there is retried (another lease).
 Once the body flows, ``gateway.watchdog`` watches first byte, inter-token gap, deadline and
 clients that stop reading. ``abort_worker`` ends the streams of a worker that went down.
 """
@@ -134,7 +134,6 @@ class Upstream:
         # No aiohttp read timeout: the watchdog times the body (first byte, gaps, deadline).
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None)
         last: UpstreamError | None = None
-        first_byte_retried = False
         for attempt in range(self.attempts):
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
@@ -175,11 +174,7 @@ class Upstream:
                 if resp is not None:
                     resp.close()
                 self.admission.release(lease)
-                retry = e.kind in RETRYABLE and attempt + 1 < self.attempts
-                if e.kind == "first_byte_timeout":
-                    retry = retry and not first_byte_retried
-                    first_byte_retried = True
-                if retry:
+                if e.kind in RETRYABLE and attempt + 1 < self.attempts:
                     log.warning("upstream.retry", request_id=ticket.request_id,
                                 worker=lease.worker.id, reason=e.message, attempt=attempt + 1)
                     last = e

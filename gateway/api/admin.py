@@ -1,7 +1,7 @@
 """Gateway's own read-only status API under ``/gateway/api``.
 
 ``GET /gateway/api/workers`` → ``{"workers": [{id, model, state, detail, pid, port, gpus,
-slots, busy, restarts, n_ctx_slot}], "queue": {"depth", "max_pending"}}``. Worker keys are never
+slots, busy, restarts, crashes, wedges, crash_loops, n_ctx_slot}], "queue": {"depth", "max_pending"}}``. Worker keys are never
 shown.
 """
 
@@ -23,6 +23,7 @@ async def workers(request: web.Request) -> web.Response:
             "port": proc.port if proc else None, "gpus": list(sup.spec.gpus),
             "slots": view.slots if view else sup.spec.slots, "busy": view.busy if view else 0,
             "restarts": sup.restarts, "n_ctx_slot": sup.slots_n_ctx,
+            "crashes": sup.crashes, "wedges": sup.wedges, "crash_loops": sup.crash_loops,
         })
     body = {"workers": out, "queue": {"depth": len(gw.dispatcher.queue),
                                       "max_pending": gw.dispatcher.max_pending}}
