@@ -61,7 +61,7 @@ class KeyState:
         if rate is None:
             return 0.0
         per_s = rate / 60.0
-        self.tokens = min(float(rate), self.tokens + (now - self.t_refill) * per_s)
+        self.tokens = min(float(rate), self.tokens + max(0.0, now - self.t_refill) * per_s)
         self.t_refill = now
         if self.tokens >= 1.0:
             self.tokens -= 1.0
