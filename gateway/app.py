@@ -23,7 +23,7 @@ from gateway.fleet import Fleet
 from gateway.inventory import Inventory, ModelEntry, full_name
 from gateway.logs import get_logger
 from gateway.metrics import GatewayMetrics, worker_state
-from gateway.middleware import gateway_middleware
+from gateway.middleware import Guard, gateway_middleware, guard_middleware
 from gateway.notify import Notifier, fleet_status
 from gateway.reload import Reloader
 from gateway.scheduling import Dispatcher
@@ -81,9 +81,12 @@ class Gateway:
         return m.context if m else 0
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[gateway_middleware], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[gateway_middleware, guard_middleware],
+                              client_max_size=self.config.limits.max_body_bytes)
         app["gw"] = self
         app.on_response_prepare.append(_request_id_header)
+        app["guard"] = guard = Guard(self.config)
+        app.on_response_prepare.append(guard.on_response_prepare)
         app.add_routes(ollama_api.routes())
         app.add_routes(openai_api.routes())
         app.add_routes(admin_api.routes())
@@ -185,13 +188,21 @@ class Gateway:
         plans = self.plans = plan_workers(cfg, detect_gpus())
         self.fleet = Fleet(cfg, binary, paths, self.admission, state_dir)
         self.fleet.build(plans)
+        t = cfg.timeouts
         self.upstream = Upstream(self.admission, self.fleet.endpoint_of,
-                                 first_byte_s=cfg.timeouts.first_byte_s,
-                                 request_s=cfg.timeouts.request_s)
+                                 first_byte_s=t.first_byte_s, request_s=t.request_s,
+                                 inter_token_s=t.inter_token_s, client_write_s=t.client_write_s,
+                                 write_buffer_bytes=cfg.limits.write_buffer_bytes,
+                                 on_stall=self.fleet.note_stall,
+                                 on_progress=self.fleet.note_progress)
+        self.fleet.upstream = self.upstream
         await self.upstream.start()
         # Listen first: requests that arrive while workers load wait in the queue.
+        # keepalive_timeout doubles as the header read timeout: aiohttp closes a connection
+        # whose request has not fully arrived that long after connect / the last response.
         self.runner = web.AppRunner(self.build_app(), handler_cancellation=True,
-                                    access_log=None, shutdown_timeout=1.0)
+                                    access_log=None, shutdown_timeout=1.0,
+                                    keepalive_timeout=cfg.timeouts.header_read_s)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host.strip("[]"), port, reuse_address=True)
         await site.start()

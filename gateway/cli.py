@@ -8,6 +8,8 @@ Verbs:
   status                   one row per worker of a running gateway (state, slots, KV, GPU…)
   worker drain|undrain|restart ID   admin actions on a running gateway (admin token)
   reload                   reload the running gateway's config file (admin token)
+  hash-key [KEY|-]         print the SHA-256 to put in auth.keys[].sha256 (no KEY: a new
+                           random key is generated and printed too; "-": read it from stdin)
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("reload", help="reload the running gateway's config file")
     r.add_argument("--url", default=None, help=url_help)
     r.add_argument("--token", default=None, help=tok_help)
+    h = sub.add_parser("hash-key", help="hash an API key for auth.keys (or make a new one)")
+    h.add_argument("key", nargs="?", default=None,
+                   help='the key; "-" reads it from stdin; omitted: generate one')
     return p
 
 
@@ -103,6 +108,20 @@ def main(argv: list[str] | None = None) -> int:
             return uvloop.run(serve(cfg, args.config))
         except ImportError:
             return asyncio.run(serve(cfg, args.config))
+    if verb == "hash-key":
+        from gateway.auth import hash_key, new_key
+        key = args.key
+        if key == "-":
+            key = sys.stdin.read().strip("\r\n")
+        if key is None:
+            key = new_key()
+            sys.stdout.write(f"key:    {key}\nsha256: {hash_key(key)}\n")
+            return 0
+        if not key:
+            sys.stderr.write("llama-gateway: empty key\n")
+            return 2
+        sys.stdout.write(hash_key(key) + "\n")
+        return 0
     configure("info", "auto")
     log = get_logger("gateway.cli")
     if verb == "install-llama-server":

@@ -43,7 +43,11 @@ __all__ = [
     "BUILTIN_MODELS",
     "ConfigError",
     "GatewayConfig",
+    "ApiKeyConfig",
+    "AuthConfig",
     "GenerationConfig",
+    "HttpConfig",
+    "LimitsConfig",
     "LlamaServerConfig",
     "LogConfig",
     "ModelConfig",
@@ -222,6 +226,28 @@ def _v_str_list(v: object) -> list[str]:
     if errs:
         raise _Invalid(*errs)
     return out
+
+
+def _v_name_label(v: object) -> str:
+    if isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}", v):
+        return v
+    raise _Invalid(((), f"expected a label of letters, digits, '.', '_', '@' or '-', got {_got(v)}"))
+
+
+def _v_opt_int(v: object) -> int | None:
+    if v is None or _is_int(v):
+        return v
+    raise _Invalid(((), f"expected an integer or null, got {_got(v)}"))
+
+
+def _v_model_patterns(v: object) -> list[str]:
+    if not isinstance(v, (list, tuple)) or not v:
+        raise _Invalid(((), f'expected a non-empty list of model names or ["*"], got {_got(v)}'))
+    errs = [((i,), f'expected a model name or "*", got {_got(x)}') for i, x in enumerate(v)
+            if not (isinstance(x, str) and (x == "*" or _NAME_RE.fullmatch(x)))]
+    if errs:
+        raise _Invalid(*errs)
+    return list(v)
 
 
 def _choice(*choices: str):
@@ -419,6 +445,19 @@ class LlamaServerConfig(_Section):
     """Upper bound (s) of the restart delay."""
     stop_grace_s: PositiveFloat = 10.0
     """Seconds between SIGTERM and SIGKILL when stopping a worker."""
+    liveness_interval_s: PositiveFloat = 2.0
+    """Seconds between liveness probes of a ready worker (``GET /slots`` with a timeout)."""
+    liveness_timeout_s: PositiveFloat = 5.0
+    """Seconds a liveness probe may take; 2 failures in a row mark the worker wedged."""
+    wedge_after_stalls: PositiveInt = 2
+    """Stalled requests (watchdog timeouts) in a row, with no token in between, after which a
+    worker is treated as wedged and restarted even if it still answers probes."""
+    crash_loop_restarts: PositiveInt = 5
+    """Restarts within ``crash_loop_window_s`` that mark a worker ``failed`` (crash loop)."""
+    crash_loop_window_s: PositiveFloat = 120.0
+    """Window (s) in which ``crash_loop_restarts`` restarts count as a crash loop."""
+    failed_retry_s: PositiveFloat = 300.0
+    """Seconds a ``failed`` worker waits before it is tried again."""
 
 
 class QueueConfig(_Section):
@@ -439,6 +478,96 @@ class TimeoutsConfig(_Section):
     """Seconds allowed until a worker sends the first byte of its answer."""
     request_s: PositiveFloat = 3600.0
     """Deadline (s) of one whole request, queueing included."""
+    inter_token_s: PositiveFloat = 60.0
+    """Longest silence (s) of a worker between two pieces of a streamed answer."""
+    header_read_s: PositiveFloat = 30.0
+    """Seconds a client may take to send its request line and headers (also the idle
+    keep-alive timeout of client connections)."""
+    body_read_s: PositiveFloat = 60.0
+    """Seconds a client may take to send its request body (then 408)."""
+    client_write_s: PositiveFloat = 30.0
+    """Seconds a client may leave a full write buffer unread before it is dropped and its
+    slot freed."""
+
+
+def _v_sha256(v: object) -> str:
+    if isinstance(v, str) and re.fullmatch(r"[0-9a-fA-F]{64}", v):
+        return v.lower()
+    raise _Invalid(((), f"expected a SHA-256 hex digest (64 hex digits, from `llama-gateway hash-key`), got {_got(v)}"))
+
+
+def _v_origins(v: object) -> list[str]:
+    if not isinstance(v, (list, tuple)):
+        raise _Invalid(((), f'expected a list of origins like ["http://localhost:3000"], got {_got(v)}'))
+    errs: list[tuple[Loc, str]] = []
+    for i, item in enumerate(v):
+        if not (isinstance(item, str) and (item == "*" or re.fullmatch(r"https?://[^/\s]+", item))):
+            errs.append(((i,), f'expected "*" or an origin like "http://host:port" (no path), got {_got(item)}'))
+    if errs:
+        raise _Invalid(*errs)
+    return [o.lower() for o in v]
+
+
+class LimitsConfig(_Section):
+    """Bounds on what one request may ask (``limits:``)."""
+
+    max_body_bytes: PositiveInt = 64 * 1024 * 1024
+    """Largest request body in bytes; larger bodies get 413."""
+    max_messages: PositiveInt = 4096
+    """Most entries in a request's ``messages`` list; more get 400."""
+    check_prompt_length: StrictBool = True
+    """Reject (400) a prompt that cannot fit one slot's context, before it reaches a worker."""
+    write_buffer_bytes: PositiveInt = 262144
+    """Bytes of a streamed answer buffered for a client that does not read; beyond that the
+    stream waits, and after ``timeouts.client_write_s`` the client is dropped."""
+
+
+class ApiKeyConfig(_Section):
+    """One client API key (an entry of ``auth.keys``), stored as a hash only."""
+
+    name: Annotated[str, PlainValidator(_v_name_label)]
+    """Label for logs and errors (never the key)."""
+    sha256: Annotated[str, PlainValidator(_v_sha256)]
+    """SHA-256 hex digest of the key (``llama-gateway hash-key``)."""
+    models: Annotated[list[str], PlainValidator(_v_model_patterns)] = Field(default_factory=lambda: ["*"])
+    """Models (names or aliases) this key may use; ["*"] = all."""
+    priority: Annotated[Union[int, None], PlainValidator(_v_opt_int)] = None
+    """Priority class of this key's requests (overrides the model's); null = the model's."""
+    max_concurrent: OptPositiveInt = None
+    """Requests of this key in flight at once; more get 429. null = no cap."""
+    rate_per_minute: OptPositiveInt = None
+    """Requests per minute (token bucket, burst of the same size); more get 429. null = no limit."""
+    admin: StrictBool = False
+    """May use the gateway's own ``/gateway/`` endpoints."""
+
+
+class AuthConfig(_Section):
+    """Client authentication (``auth:``). With no keys, the gateway is open (as Ollama)."""
+
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+    """Accepted keys; a request must send one as ``Authorization: Bearer <key>``."""
+
+    @model_validator(mode="after")
+    def _unique(self) -> "AuthConfig":
+        seen: dict[str, int] = {}
+        errs: list[tuple[Loc, str]] = []
+        for i, k in enumerate(self.keys):
+            if k.sha256 in seen:
+                errs.append((("keys", i, "sha256"), f"same key as keys[{seen[k.sha256]}]"))
+            seen.setdefault(k.sha256, i)
+        if errs:
+            raise _Invalid(*errs)
+        return self
+
+
+class HttpConfig(_Section):
+    """Browser-facing HTTP rules (``http:``)."""
+
+    cors_origins: Annotated[list[str], PlainValidator(_v_origins)] = Field(default_factory=list)
+    """Origins allowed by CORS (e.g. "http://localhost:3000", or "*"); [] = CORS off."""
+    check_host: StrictBool = True
+    """When listening on a loopback address, answer 403 to a Host header that is not local
+    (DNS-rebinding defence, as Ollama's allowedHostsMiddleware)."""
 
 
 class GenerationConfig(_Section):
@@ -593,7 +722,8 @@ class ModelConfig(_Section):
         return full.replace(":", "-").replace("/", "_")
 
 
-_SECTIONS = ("llama_server", "queue", "timeouts", "generation", "log", "shutdown", "admin")
+_SECTIONS = ("llama_server", "queue", "timeouts", "generation", "log", "shutdown", "admin",
+             "limits", "auth", "http")
 
 
 class GatewayConfig(_Section):
@@ -608,6 +738,9 @@ class GatewayConfig(_Section):
     log: LogConfig = Field(default_factory=LogConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
     models: list[ModelConfig]
 
     _source: str = PrivateAttr(default="<config>")
@@ -702,6 +835,8 @@ def _fields_at(loc: Loc) -> list[str]:
         cls = GatewayConfig
     elif loc[0] == "models" and len(loc) == 2:
         cls = ModelConfig
+    elif loc[:2] == ("auth", "keys") and len(loc) == 3:
+        cls = ApiKeyConfig
     elif len(loc) == 1 and loc[0] in _SECTIONS:
         cls = GatewayConfig.model_fields[loc[0]].annotation  # type: ignore[assignment]
     else:

@@ -33,6 +33,7 @@ class Fleet:
         self.state_dir = state_dir
         self.supervisors: dict[str, WorkerSupervisor] = {}
         self.plans: dict[str, WorkerPlan] = {}
+        self.upstream = None  # set by the gateway: streams of a worker that goes down are ended
 
     def _threads(self, plans: list[WorkerPlan]) -> int | None:
         ls = self.config.llama_server
@@ -61,7 +62,13 @@ class Fleet:
                                backoff_max_s=ls.restart_backoff_max_s,
                                stop_grace_s=ls.stop_grace_s,
                                health_interval_s=ls.health_interval_s,
-                               state_dir=self.state_dir)
+                               state_dir=self.state_dir,
+                               liveness_interval_s=ls.liveness_interval_s,
+                               liveness_timeout_s=ls.liveness_timeout_s,
+                               wedge_after_stalls=ls.wedge_after_stalls,
+                               crash_loop_restarts=ls.crash_loop_restarts,
+                               crash_loop_window_s=ls.crash_loop_window_s,
+                               failed_retry_s=ls.failed_retry_s)
         self.supervisors[plan.id] = sup
         self.plans[plan.id] = plan
         self.admission.dispatcher.add_worker(plan.id, plan.model, plan.slots)
@@ -131,6 +138,20 @@ class Fleet:
     def _on_down(self, sup: WorkerSupervisor, reason: str) -> None:
         log.warning("worker.down", worker=sup.id, reason=reason)
         self.admission.worker_ready(sup.id, False)
+        if self.upstream is not None:
+            self.upstream.abort_worker(sup.id, reason)
+
+    def note_stall(self, worker_id: str) -> None:
+        """Watchdog: a request on this worker stalled (liveness evidence)."""
+        sup = self.supervisors.get(worker_id)
+        if sup is not None:
+            sup.note_stall()
+
+    def note_progress(self, worker_id: str) -> None:
+        """Watchdog: a request on this worker received data."""
+        sup = self.supervisors.get(worker_id)
+        if sup is not None:
+            sup.note_progress()
 
     def endpoint_of(self, worker_id: str) -> Endpoint | None:
         sup = self.supervisors.get(worker_id)

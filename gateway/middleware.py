@@ -4,11 +4,14 @@ shape, 503 while shutting down, metrics and one access-log event per request.
 Access log event ``request.done`` fields: request_id, method, path, status, ms (end to end),
 and when the handler knew them (gateway/metrics.py ``note_*``): model, worker, priority,
 queue_wait_ms, ttft_ms, prompt_eval_count, eval_count (tokens).
+
+``guard_middleware``: who may come in and how big a request may be (see ``Guard.run``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 from aiohttp import web
@@ -79,3 +82,109 @@ async def gateway_middleware(request: web.Request, handler):
     log.info("request.done", request_id=rid, method=request.method, path=request.path,
              status=status, ms=round(ms, 3), **extra)
     return resp
+
+
+@web.middleware
+async def guard_middleware(request: web.Request, handler):
+    """Host check, CORS preflight, API keys and per-key limits, body limits, prompt length.
+
+    Order: Host (403) → preflight (204/403) → key (401) → admin paths (403) → body size/time
+    (413/408) → messages (400) → model allowed (403) → prompt length (400) → per-key
+    concurrency and rate (429, with Retry-After). Errors come in the route's shape.
+    """
+    gw = request.app["gw"]
+    guard: Guard = request.app["guard"]
+    try:
+        return await guard.run(request, handler, gw)
+    except ApiError as e:
+        return _error(request.path, e.status, e.message, e.headers)
+
+
+class Guard:
+    """Per-app state of ``guard_middleware`` (built from the config at start)."""
+
+    def __init__(self, config):
+        from gateway.auth import Cors, HostCheck, KeyRing
+
+        self.config = config
+        self.keys = KeyRing(config)
+        self.hosts = HostCheck(config)
+        self.cors = Cors(config)
+
+    async def run(self, request: web.Request, handler, gw):
+        from gateway import limits
+        from gateway.upstream import current_request
+
+        cfg = self.config
+        host = request.headers.get("Host", "")
+        if not self.hosts.ok(host):
+            log.warning("request.host_refused", host=host, path=request.path)
+            raise ApiError(403, f"host {host!r} is not allowed")
+        if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
+            hdrs = self.cors.headers(request.headers.get("Origin"), preflight=True)
+            if not hdrs:
+                raise ApiError(403, "origin not allowed")
+            return web.Response(status=204, headers=hdrs)
+        key = None
+        if self.keys.enabled and not (request.path == "/" and request.method in ("GET", "HEAD")):
+            key = self.keys.lookup(request.headers.get("Authorization"))
+            if key is None:
+                raise ApiError(401, "unauthorized: a valid API key is required "
+                                    "(Authorization: Bearer <key>)",
+                               {"WWW-Authenticate": 'Bearer realm="llama-gateway"'})
+            request["api_key"] = key.cfg.name
+            if key.cfg.priority is not None:
+                request["key_priority"] = key.cfg.priority
+            if request.path.startswith("/gateway/") and not key.cfg.admin:
+                raise ApiError(403, f"key '{key.cfg.name}' may not use {request.path}")
+        if request.method in ("POST", "PUT", "PATCH") and request.can_read_body:
+            raw = await limits.read_body(request, cfg.limits.max_body_bytes,
+                                         cfg.timeouts.body_read_s)
+            body = limits.parse_object(raw) if request.path in limits.JSON_ROUTES else None
+            if body is not None:
+                limits.check_messages(body, cfg.limits.max_messages)
+                name = body.get("model") or body.get("name")
+                if key is not None and isinstance(name, str) and gw.inventory is not None:
+                    entry = gw.inventory.resolve(name)
+                    if entry is not None and not key.allows_model(entry.name):
+                        raise ApiError(403, f"key '{key.cfg.name}' may not use model '{name}'")
+                if cfg.limits.check_prompt_length:
+                    await limits.check_prompt_length(gw, body)
+        if key is not None:
+            if key.cfg.max_concurrent is not None and key.in_flight >= key.cfg.max_concurrent:
+                raise ApiError(429, f"too many concurrent requests for key '{key.cfg.name}' "
+                                    f"(limit {key.cfg.max_concurrent})", {"Retry-After": "1"})
+            wait = key.take_token(time.monotonic())
+            if wait:
+                raise ApiError(429, f"rate limit of key '{key.cfg.name}' exceeded "
+                                    f"({key.cfg.rate_per_minute} requests per minute)",
+                               {"Retry-After": str(max(1, int(wait + 0.999)))})
+        self._bound_writes(request)
+        token = current_request.set(request)
+        if key is not None:
+            key.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            current_request.reset(token)
+            if key is not None:
+                key.in_flight -= 1
+
+    def _bound_writes(self, request: web.Request) -> None:
+        """Bound what is buffered for this client (user space and kernel send buffer)."""
+        t = request.transport
+        if t is None:
+            return
+        n = self.config.limits.write_buffer_bytes
+        try:
+            t.set_write_buffer_limits(high=n)
+            sock = t.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, n)
+        except (OSError, RuntimeError, AttributeError, NotImplementedError):
+            pass
+
+    async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        """CORS headers on every response (streams included) for allowed origins."""
+        for k, v in self.cors.headers(request.headers.get("Origin"), preflight=False).items():
+            response.headers.setdefault(k, v)

@@ -4,12 +4,20 @@ Field case 27: this llama-server build sometimes drops a reused keep-alive conne
 a client reuses it. The connector here therefore opens a fresh loopback connection per request
 (``force_close``), and a request that fails before any response byte is retried (on a new
 lease, so possibly another worker) instead of reaching the user.
+
+Time limits (field cases 6, 10, 11): waiting for the response headers (llama-server sends them
+with its first result, server-context.cpp) is bounded by ``first_byte_s`` for streamed
+requests and by the request deadline otherwise; a timeout there is retried (another lease).
+Once the body flows, ``gateway.watchdog`` watches first byte, inter-token gap, deadline and
+clients that stop reading. ``abort_worker`` ends the streams of a worker that went down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -19,8 +27,15 @@ import orjson
 from gateway.admission import Admission
 from gateway.logs import get_logger
 from gateway.scheduling import SlotLease, Ticket
+from gateway.watchdog import StreamWatch, Watchdog
 
 log = get_logger("gateway.upstream")
+
+#: The client request being served (set by the middleware): its transport lets the watchdog
+#: see a client that stopped reading, its ``t0_ns`` anchors the request deadline.
+current_request: contextvars.ContextVar = contextvars.ContextVar("current_request", default=None)
+
+RETRYABLE = ("connection", "worker_gone", "worker_unavailable", "first_byte_timeout")
 
 
 @dataclass(frozen=True)
@@ -63,19 +78,32 @@ class Upstream:
     Args:
         admission: where leases come from.
         endpoint_of: worker id -> Endpoint (None when the worker is gone).
-        first_byte_s: longest wait for response headers / between reads (seconds).
-        request_s: per-request deadline (seconds).
+        first_byte_s: longest wait (s) for the first byte of a streamed answer.
+        request_s: per-request deadline (s), from receipt, queueing included.
+        inter_token_s: longest gap (s) between two pieces of a streamed answer.
+        client_write_s / write_buffer_bytes: when a client that stopped reading is dropped.
+        on_stall / on_progress: worker-id callbacks of the watchdog (liveness evidence).
         attempts: tries for a request that got no response byte.
     """
 
     def __init__(self, admission: Admission, endpoint_of, *, first_byte_s: float = 300.0,
-                 request_s: float = 3600.0, attempts: int = 3):
+                 request_s: float = 3600.0, inter_token_s: float = 60.0,
+                 client_write_s: float = 30.0, write_buffer_bytes: int = 262144,
+                 on_stall=None, on_progress=None, attempts: int = 3):
         self.admission = admission
         self.endpoint_of = endpoint_of
         self.first_byte_s = first_byte_s
         self.request_s = request_s
         self.attempts = attempts
         self.session: aiohttp.ClientSession | None = None
+        self.watchdog = Watchdog(UpstreamError, first_byte_s=first_byte_s,
+                                 inter_token_s=inter_token_s, client_write_s=client_write_s,
+                                 write_buffer_bytes=write_buffer_bytes, on_stall=on_stall,
+                                 on_progress=on_progress)
+
+    def abort_worker(self, worker_id: str, reason: str) -> int:
+        """End the in-flight streams of a worker that went down (error line / event)."""
+        return self.watchdog.abort_worker(worker_id, f"worker {worker_id} {reason}")
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(force_close=True, limit=0)
@@ -83,6 +111,7 @@ class Upstream:
                                              json_serialize=lambda o: orjson.dumps(o).decode())
 
     async def close(self) -> None:
+        self.watchdog.close()
         if self.session:
             await self.session.close()
 
@@ -97,24 +126,42 @@ class Upstream:
         """
         assert self.session is not None
         payload = orjson.dumps(body)
-        timeout = aiohttp.ClientTimeout(total=self.request_s, sock_connect=5,
-                                        sock_read=self.first_byte_s)
+        streamed = body.get("stream") is True
+        client = current_request.get()
+        t0 = (client.get("t0_ns") / 1e9) if client is not None and client.get("t0_ns") else time.monotonic()
+        deadline = t0 + self.request_s
+        downstream = client.transport if client is not None else None
+        # No aiohttp read timeout: the watchdog times the body (first byte, gaps, deadline).
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None)
         last: UpstreamError | None = None
         for attempt in range(self.attempts):
-            lease = await self.admission.acquire(ticket)
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    lease = await self.admission.acquire(ticket)
+            except TimeoutError:
+                raise UpstreamError(504, "request deadline exceeded while waiting for a slot",
+                                    "deadline") from None
             resp = None
             try:
                 ep = self.endpoint_of(lease.worker.id)
                 if ep is None:
                     raise UpstreamError(503, "worker went away", "worker_gone")
+                wait_s = max(0.0, deadline - time.monotonic())
+                if streamed:
+                    wait_s = min(wait_s, self.first_byte_s)
+                t_sent = time.monotonic()
                 try:
-                    resp = await self.session.post(
-                        ep.url + path, data=payload, timeout=timeout,
-                        headers={"Authorization": f"Bearer {ep.api_key}",
-                                 "Content-Type": "application/json"})
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(wait_s):
+                        resp = await self.session.post(
+                            ep.url + path, data=payload, timeout=timeout,
+                            headers={"Authorization": f"Bearer {ep.api_key}",
+                                     "Content-Type": "application/json"})
+                except TimeoutError:
+                    if time.monotonic() >= deadline - 0.01:
+                        raise UpstreamError(504, "request deadline exceeded", "deadline") from None
+                    self.watchdog.on_stall(lease.worker.id)
                     raise UpstreamError(504, f"worker {lease.worker.id} sent nothing within "
-                                             f"{self.first_byte_s:g} s", "first_byte_timeout")
+                                             f"{wait_s:g} s", "first_byte_timeout") from None
                 except aiohttp.ClientError as e:
                     raise UpstreamError(502, f"worker {lease.worker.id} unreachable: {e}",
                                         "connection")
@@ -127,12 +174,11 @@ class Upstream:
                 if resp is not None:
                     resp.close()
                 self.admission.release(lease)
-                if e.kind in ("connection", "worker_gone", "worker_unavailable") \
-                        and attempt + 1 < self.attempts:
+                if e.kind in RETRYABLE and attempt + 1 < self.attempts:
                     log.warning("upstream.retry", request_id=ticket.request_id,
                                 worker=lease.worker.id, reason=e.message, attempt=attempt + 1)
                     last = e
-                    await asyncio.sleep(0.05 * (attempt + 1))
+                    await asyncio.sleep(0.1 * (attempt + 1))
                     continue
                 raise
             except BaseException:
@@ -140,9 +186,13 @@ class Upstream:
                     resp.close()
                 self.admission.release(lease)
                 raise
+            watch = StreamWatch(lease.worker.id, ticket.request_id, resp, t_sent, deadline,
+                                downstream)
+            self.watchdog.add(watch)
             try:
                 yield lease, resp
             finally:
+                self.watchdog.discard(watch)
                 resp.close()
                 self.admission.release(lease)
             return
@@ -174,3 +224,18 @@ async def iter_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         raise UpstreamError(502, f"worker stream broke: {e}", "stream_broken") from e
     except asyncio.TimeoutError as e:
         raise UpstreamError(504, "worker stalled mid-stream", "stall") from e
+
+
+async def iter_raw(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """Yield the body as it arrives (pass-through relays). Raises UpstreamError(502) when the
+    connection breaks, or the watchdog's UpstreamError when it ended the stream."""
+    try:
+        async for chunk in resp.content.iter_any():
+            yield chunk
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+        raise UpstreamError(502, f"worker stream broke: {e}", "stream_broken") from e
+
+
+async def read_all(resp: aiohttp.ClientResponse) -> bytes:
+    """The whole body; errors as in :func:`iter_raw`."""
+    return b"".join([chunk async for chunk in iter_raw(resp)])

@@ -63,12 +63,18 @@ def worker_key(pid: int) -> str:
 
 
 class GatewayProc:
-    def __init__(self, proc: subprocess.Popen, port: int, cfg_path: Path, log_path: Path):
+    def __init__(self, proc: subprocess.Popen, port: int, cfg_path: Path, log_path: Path,
+                 headers: dict | None = None):
         self.proc, self.port, self.cfg_path, self.log_path = proc, port, cfg_path, log_path
         self.url = f"http://127.0.0.1:{port}"
+        self.headers = headers or {}  # e.g. an admin API key when auth is configured
+
+    def status(self) -> dict:
+        """``GET /gateway/api/workers`` (workers and queue)."""
+        return httpx.get(self.url + "/gateway/api/workers", headers=self.headers, timeout=5).json()
 
     def workers(self) -> list[dict]:
-        return httpx.get(self.url + "/gateway/api/workers", timeout=5).json()["workers"]
+        return self.status()["workers"]
 
     def wait_ready(self, timeout: float = 120, n: int | None = None) -> list[dict]:
         end = time.monotonic() + timeout
@@ -126,7 +132,8 @@ def base_config(port: int, **over) -> dict:
     return cfg
 
 
-def start_gateway(tmp_path: Path, cfg: dict, wait: bool = True, env: dict | None = None) -> GatewayProc:
+def start_gateway(tmp_path: Path, cfg: dict, wait: bool = True, env: dict | None = None,
+                  headers: dict | None = None) -> GatewayProc:
     port = int(cfg["listen"].rsplit(":", 1)[1])
     cfg_path = tmp_path / f"gateway-{port}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
@@ -135,7 +142,7 @@ def start_gateway(tmp_path: Path, cfg: dict, wait: bool = True, env: dict | None
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "-c", str(cfg_path)],
                             cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})})
-    gp = GatewayProc(proc, port, cfg_path, log_path)
+    gp = GatewayProc(proc, port, cfg_path, log_path, headers)
     end = time.monotonic() + 600  # first run on a fresh machine may build llama-server
     while True:
         if proc.poll() is not None:
@@ -156,9 +163,10 @@ def start_gateway(tmp_path: Path, cfg: dict, wait: bool = True, env: dict | None
 def gateway_factory(tmp_path):
     started: list[GatewayProc] = []
 
-    def factory(cfg: dict | None = None, wait: bool = True, **over) -> GatewayProc:
+    def factory(cfg: dict | None = None, wait: bool = True, headers: dict | None = None,
+                **over) -> GatewayProc:
         cfg = cfg or base_config(free_port(), **over)
-        gp = start_gateway(tmp_path, cfg, wait=wait)
+        gp = start_gateway(tmp_path, cfg, wait=wait, headers=headers)
         started.append(gp)
         return gp
 

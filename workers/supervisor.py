@@ -3,9 +3,17 @@
 State machine (``WorkerSupervisor.state``)::
 
     starting ──/health 200──> ready ──exit/crash──> backoff ──delay──> starting
-        │                       │
+        │                       │ └──liveness lost──> wedged ──SIGTERM, grace, SIGKILL──> backoff
         └─startup timeout──> backoff          draining (set by the gateway: no new requests)
+    backoff ──N restarts within a window──> failed ──failed_retry_s──> starting
     any ──stop()──> stopped
+
+Liveness beyond ``/health`` (field case 11: ``/health`` ok, ``/slots`` hangs, SIGTERM
+ignored): a ready worker's ``/slots`` is probed every ``liveness_interval_s`` with a
+``liveness_timeout_s`` timeout, 2 failures in a row mark it wedged; the gateway's watchdog
+reports stalled requests (``note_stall``), and ``wedge_after_stalls`` of them in a row with no
+token in between (``note_progress``) mark it wedged too. Crash loop: ``crash_loop_restarts``
+restarts within ``crash_loop_window_s`` → ``failed`` for ``failed_retry_s``, then retried.
 
 The supervisor never routes requests. It reports readiness through two callbacks, and the
 gateway's dispatcher only leases slots of ready workers.
@@ -14,6 +22,7 @@ gateway's dispatcher only leases slots of ready workers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Awaitable, Callable
 
@@ -44,7 +53,10 @@ class WorkerSupervisor:
     def __init__(self, spec: LaunchSpec, *, on_ready: ReadyCallback, on_down: DownCallback,
                  startup_timeout_s: float = 180.0, backoff_initial_s: float = 0.5,
                  backoff_max_s: float = 30.0, stop_grace_s: float = 10.0,
-                 health_interval_s: float = 0.25, state_dir=None):
+                 health_interval_s: float = 0.25, state_dir=None,
+                 liveness_interval_s: float = 2.0, liveness_timeout_s: float = 5.0,
+                 wedge_after_stalls: int = 2, crash_loop_restarts: int = 5,
+                 crash_loop_window_s: float = 120.0, failed_retry_s: float = 300.0):
         self.spec = spec
         self.on_ready = on_ready
         self.on_down = on_down
@@ -54,6 +66,19 @@ class WorkerSupervisor:
         self.stop_grace_s = stop_grace_s
         self.health_interval_s = health_interval_s
         self.state_dir = state_dir
+        self.liveness_interval_s = liveness_interval_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self.wedge_after_stalls = wedge_after_stalls
+        self.crash_loop_restarts = crash_loop_restarts
+        self.crash_loop_window_s = crash_loop_window_s
+        self.failed_retry_s = failed_retry_s
+        self.crashes = 0  # runs that ended without stop(): exits, wedges, startup failures
+        self.wedges = 0
+        self.crash_loops = 0
+        self.stalls = 0  # stalled requests in a row (watchdog)
+        self._restart_times: collections.deque[float] = collections.deque()
+        self._wedged: asyncio.Event = asyncio.Event()
+        self._wedged_reason = ""
         self.state = "stopped"
         self.detail = ""
         self.restarts = 0
@@ -93,7 +118,10 @@ class WorkerSupervisor:
 
     async def _run(self) -> None:
         backoff = self.backoff_initial_s
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        # A fresh connection per probe: this llama-server build drops reused keep-alive
+        # connections (field case 27), which must not read as a failed liveness probe.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5),
+                                         connector=aiohttp.TCPConnector(force_close=True)) as http:
             while not self._stopping:
                 proc = WorkerProcess(self.spec, self.state_dir)
                 self.process = proc
@@ -112,14 +140,26 @@ class WorkerSupervisor:
                     self._set_state("ready")
                     self._ready_evt.set()
                     self.on_ready(self)
-                    rc = await exit_task
+                    wedged = await self._watch_ready(proc, http, exit_task)
                     self._ready_evt.clear()
                     up_s = time.monotonic() - self.ready_since
                     self.ready_since = None
                     if self._stopping:
+                        if not exit_task.done():
+                            await exit_task
                         break
-                    reason = f"exited with status {rc}"
-                    self.on_down(self, reason)
+                    if wedged:
+                        reason = f"wedged: {wedged}"
+                        self.wedges += 1
+                        self._set_state("wedged", reason)
+                        self.log.error("worker.wedged", reason=wedged, pid=proc.pid)
+                        self.on_down(self, reason)
+                        await proc.stop(self.stop_grace_s)
+                        await exit_task
+                    else:
+                        reason = f"exited with status {exit_task.result()}"
+                        self.log.error("worker.crashed", reason=reason, pid=proc.pid, up_s=round(up_s, 3))
+                        self.on_down(self, reason)
                     if up_s >= self.STABLE_AFTER_S:
                         backoff = self.backoff_initial_s
                 else:
@@ -129,12 +169,96 @@ class WorkerSupervisor:
                     if self._stopping:
                         break
                 self.restarts += 1
+                self.crashes += 1
+                if self._crash_loop():
+                    self.crash_loops += 1
+                    n = len(self._restart_times)
+                    self._restart_times.clear()
+                    self._set_state("failed", f"crash loop: {n} restarts within "
+                                              f"{self.crash_loop_window_s:g} s (last: {reason}); "
+                                              f"next try in {self.failed_retry_s:g} s")
+                    self.log.error("worker.crash_loop", restarts=n, last_reason=reason,
+                                   retry_in_s=self.failed_retry_s)
+                    await self._sleep(self.failed_retry_s)
+                    backoff = self.backoff_max_s
+                    continue
                 self._set_state("backoff", reason)
                 self.log.warning("worker.restart_scheduled", reason=reason, delay_s=backoff,
                                  restarts=self.restarts)
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
         self._set_state("stopped")
+
+    def _crash_loop(self) -> bool:
+        """Record a restart now; True when the last ``crash_loop_restarts`` fell in the window."""
+        now = time.monotonic()
+        self._restart_times.append(now)
+        while self._restart_times and now - self._restart_times[0] > self.crash_loop_window_s:
+            self._restart_times.popleft()
+        return len(self._restart_times) >= self.crash_loop_restarts
+
+    def note_stall(self) -> None:
+        """A request on this worker stalled (watchdog). Enough in a row → wedged."""
+        self.stalls += 1
+        if self.ready and self.stalls >= self.wedge_after_stalls:
+            self.declare_wedged(f"{self.stalls} requests in a row stalled")
+
+    def note_progress(self) -> None:
+        """A request on this worker received data: it is alive."""
+        self.stalls = 0
+
+    def declare_wedged(self, reason: str) -> None:
+        """Take the worker out of rotation and restart it (no-op unless ready)."""
+        if self.ready and not self._wedged.is_set():
+            self._wedged_reason = reason
+            self._wedged.set()
+
+    async def _watch_ready(self, proc: WorkerProcess, http: aiohttp.ClientSession,
+                           exit_task: asyncio.Task) -> str | None:
+        """Wait while the worker is ready. Returns None when it exited (or stop() was called),
+        or why it is considered wedged (liveness probes failed, requests stalled)."""
+        self._wedged.clear()
+        self.stalls = 0
+        failures = 0
+        headers = {"Authorization": f"Bearer {proc.api_key}"}
+        wedge_wait = asyncio.create_task(self._wedged.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({exit_task, wedge_wait},
+                                             timeout=self.liveness_interval_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if exit_task in done or self._stopping:
+                    return None
+                if wedge_wait in done:
+                    return self._wedged_reason
+                probe = await self._probe_slots(proc, http, headers)
+                if probe is None:
+                    failures = 0
+                    continue
+                if exit_task.done():
+                    return None
+                failures += 1
+                self.log.warning("worker.liveness_failed", error=probe, failures=failures)
+                if failures >= 2:
+                    return f"/slots {probe} ({failures} times in a row)"
+        finally:
+            wedge_wait.cancel()
+
+    async def _probe_slots(self, proc: WorkerProcess, http: aiohttp.ClientSession,
+                           headers: dict) -> str | None:
+        """None when ``/slots`` answered 200 within ``liveness_timeout_s``, else what failed."""
+        try:
+            async with asyncio.timeout(self.liveness_timeout_s):
+                async with http.get(proc.url + "/slots", headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=None)) as r:
+                    await r.read()
+                    if r.status != 200:
+                        return f"answered HTTP {r.status}"
+        except TimeoutError:
+            return f"did not answer within {self.liveness_timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as e:
+            return f"unreachable: {e}"
+        return None
 
     async def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds

@@ -3,7 +3,7 @@
 Read-only (no token):
 
 * ``GET /gateway/api/workers`` → ``{"workers": [{id, model, state, detail, draining, pid, port,
-  gpus, slots, busy, restarts, n_ctx_slot, kv_fill, deferred, tokens_per_s, gpu}],
+  gpus, slots, busy, restarts, crashes, wedges, crash_loops, n_ctx_slot, kv_fill, deferred, tokens_per_s, gpu}],
   "queue": {"depth", "max_pending", "by_priority": {prio: n}}, "in_flight", "shutting_down",
   "gpus": [{index, name, util_percent, memory_used_bytes, memory_total_bytes, temperature_c,
   power_w}], "recent_errors": [{time, source, message}]}``. ``kv_fill`` (0..1),
@@ -65,6 +65,7 @@ def snapshot(gw) -> dict:
             "kv_fill": ws.kv_fill, "deferred": ws.deferred,
             "tokens_per_s": round(ws.tokens_per_s, 1) if ws.tokens_per_s is not None else None,
             "gpu": g.__dict__ if g else None,
+            "crashes": sup.crashes, "wedges": sup.wedges, "crash_loops": sup.crash_loops,
         })
     return {"workers": out,
             "queue": {"depth": len(gw.dispatcher.queue), "max_pending": gw.dispatcher.max_pending,

@@ -42,10 +42,11 @@ def request_id(request: web.Request) -> str:
 
 def make_ticket(request: web.Request, model: str, default_priority: int,
                 queue_timeout_s: float, est_tokens: int = 0) -> Ticket:
-    """A ticket for this request. ``X-Priority`` (integer) overrides the model's default class."""
-    prio = default_priority
+    """A ticket for this request. The API key's priority (``auth.keys[].priority``) wins;
+    else ``X-Priority`` (integer) overrides the model's default class."""
+    prio = request.get("key_priority", default_priority)
     hdr = request.headers.get("X-Priority")
-    if hdr is not None:
+    if hdr is not None and "key_priority" not in request:
         try:
             prio = int(hdr)
         except ValueError:

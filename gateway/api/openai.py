@@ -15,7 +15,7 @@ from gateway.api.common import make_ticket, read_json, start_stream
 from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage
-from gateway.upstream import UpstreamError, iter_sse
+from gateway.upstream import UpstreamError, iter_sse, read_all
 
 log = get_logger("gateway.api.openai")
 
@@ -55,7 +55,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
             note_lease(request, lease)
             if not stream:
-                data = await resp.read()
+                data = await read_all(resp)
                 note_openai_usage(request, data)
                 return web.Response(body=data, content_type="application/json")
             out = await start_stream(request, "text/event-stream")

@@ -1,0 +1,178 @@
+"""Who may use the gateway: API keys, per-key limits, Host check, CORS.
+
+* API keys (config ``auth.keys``) are stored as SHA-256 hex digests only; a client sends the key
+  as ``Authorization: Bearer <key>`` (what the ``ollama`` and ``openai`` clients send when given
+  a key/headers). No keys configured = no authentication (as Ollama).
+* Per key: allowed models, a default priority class, a concurrency cap and a per-minute rate
+  (token bucket whose burst equals the rate).
+* Host check (DNS rebinding): while listening on loopback, a ``Host`` header that is not local
+  gets 403. Same rules as Ollama's ``allowedHostsMiddleware``/``allowedHost`` (server/routes.go):
+  an IP that is loopback, private or unspecified, ``localhost``, this machine's hostname, or a
+  name ending in ``.localhost``, ``.local`` or ``.internal``.
+* CORS: off unless ``http.cors_origins`` lists origins (or ``"*"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+
+from gateway.config import ApiKeyConfig, GatewayConfig, normalize_model_name
+
+
+def hash_key(key: str) -> str:
+    """SHA-256 hex digest of a key's UTF-8 bytes (the form stored in ``auth.keys[].sha256``)."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh random key (``lgw-`` + 32 url-safe characters, 192 bits)."""
+    return "lgw-" + secrets.token_urlsafe(24)
+
+
+@dataclass(eq=False)
+class KeyState:
+    """One configured key and its live counters.
+
+    Attributes:
+        cfg: the key's configuration.
+        models: normalized full names the key may use, or None for all.
+        in_flight: requests of this key being served now.
+        tokens / t_refill: the rate limiter's token bucket (requests) and its last refill (s).
+    """
+
+    cfg: ApiKeyConfig
+    models: frozenset[str] | None
+    in_flight: int = 0
+    tokens: float = 0.0
+    t_refill: float = field(default_factory=time.monotonic)
+
+    def allows_model(self, full_name: str) -> bool:
+        return self.models is None or normalize_model_name(full_name) in self.models
+
+    def take_token(self, now: float) -> float:
+        """Consume one request of the per-minute budget. Returns 0 when allowed, else the
+        seconds until the next request would be."""
+        rate = self.cfg.rate_per_minute
+        if rate is None:
+            return 0.0
+        per_s = rate / 60.0
+        self.tokens = min(float(rate), self.tokens + max(0.0, now - self.t_refill) * per_s)
+        self.t_refill = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / per_s
+
+
+class KeyRing:
+    """Lookup of presented keys. ``enabled`` is False when no key is configured."""
+
+    def __init__(self, config: GatewayConfig):
+        self.by_hash: dict[str, KeyState] = {}
+        for k in config.auth.keys:
+            models = None
+            if "*" not in k.models:
+                names = set()
+                for pattern in k.models:
+                    m = config.find_model(pattern)
+                    names.add(normalize_model_name(m.full_name if m else pattern))
+                models = frozenset(names)
+            st = KeyState(k, models, tokens=float(k.rate_per_minute or 0))
+            self.by_hash[k.sha256] = st
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.by_hash)
+
+    def lookup(self, authorization: str | None) -> KeyState | None:
+        """The key of an ``Authorization: Bearer <key>`` header, or None if missing/unknown."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        return self.by_hash.get(hash_key(token.strip()))
+
+
+# ---- Host header check (Ollama allowedHostsMiddleware) ----------------------------------------
+
+def _is_loopback_listen(host: str) -> bool:
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def _split_host(host_header: str) -> str:
+    h = host_header.strip()
+    if h.startswith("["):  # [::1]:port
+        return h[1:h.find("]")] if "]" in h else h
+    if h.count(":") == 1:
+        return h.rsplit(":", 1)[0]
+    return h
+
+
+def allowed_host(host_header: str | None) -> bool:
+    """True when a ``Host`` header names this machine (rules of Ollama's allowedHost)."""
+    host = _split_host(host_header or "").lower()
+    if host in ("", "localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+        return ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_link_local
+    except ValueError:
+        pass
+    if host == socket.gethostname().lower():
+        return True
+    return any(host.endswith("." + tld) for tld in ("localhost", "local", "internal"))
+
+
+class HostCheck:
+    """Whether the Host header must be checked for this listener (loopback only)."""
+
+    def __init__(self, config: GatewayConfig):
+        self.active = config.http.check_host and _is_loopback_listen(config.host)
+
+    def ok(self, host_header: str | None) -> bool:
+        return not self.active or allowed_host(host_header)
+
+
+# ---- CORS -----------------------------------------------------------------------------------
+
+CORS_METHODS = "GET, POST, PUT, DELETE, OPTIONS, HEAD"
+CORS_HEADERS = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, X-Request-ID, X-Priority"
+
+
+class Cors:
+    """``http.cors_origins``: which browser origins get CORS headers (none by default)."""
+
+    def __init__(self, config: GatewayConfig):
+        self.origins = frozenset(config.http.cors_origins)
+        self.any = "*" in self.origins
+
+    def allow(self, origin: str | None) -> str | None:
+        """The ``Access-Control-Allow-Origin`` value for ``origin``, or None (no CORS)."""
+        if not origin or not self.origins:
+            return None
+        if self.any:
+            return "*"
+        return origin if origin.lower() in self.origins else None
+
+    def headers(self, origin: str | None, preflight: bool) -> dict[str, str]:
+        allow = self.allow(origin)
+        if allow is None:
+            return {}
+        h = {"Access-Control-Allow-Origin": allow, "Vary": "Origin"}
+        if preflight:
+            h.update({"Access-Control-Allow-Methods": CORS_METHODS,
+                      "Access-Control-Allow-Headers": CORS_HEADERS,
+                      "Access-Control-Max-Age": "600"})
+        return h

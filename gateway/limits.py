@@ -1,0 +1,128 @@
+"""Bounds on one request, checked before it reaches admission.
+
+* body: ``limits.max_body_bytes`` (413) read within ``timeouts.body_read_s`` (408);
+* ``messages``: at most ``limits.max_messages`` entries (400);
+* prompt length: a prompt that cannot fit one slot's context is refused with 400
+  (field cases 4, 5) instead of occupying a slot. Cheap first: a byte-level BPE or
+  byte-fallback tokenizer never makes more tokens than the text has UTF-8 bytes, so text of at
+  most ``context`` bytes always fits; longer text is counted with a ready worker's own
+  tokenizer (llama-server ``POST /tokenize`` ``{"content"}`` → ``{"tokens": [...]}``), which
+  needs no slot. If no worker can count it, the worker's own check (HTTP 400
+  ``exceed_context_size_error``) stays the backstop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.api.errors import ApiError
+from gateway.logs import get_logger
+
+log = get_logger("gateway.limits")
+
+#: Routes whose JSON body is parsed and checked here (extend as endpoints are added).
+JSON_ROUTES = ("/api/generate", "/api/chat", "/api/show", "/api/embed", "/api/embeddings",
+               "/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole body (cached by aiohttp for the handler's own ``read()``).
+
+    Raises ApiError 413 (``Content-Length`` or actual size over ``max_bytes``) or 408 (not
+    received within ``timeout_s`` seconds).
+    """
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise ApiError(413, f"request body too large: {request.content_length} bytes, "
+                            f"the limit is {max_bytes}")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout_s:g} s") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body too large, the limit is {max_bytes} bytes") from None
+
+
+def parse_object(raw: bytes) -> dict | None:
+    """The body as a JSON object, or None (the handler reports bad JSON in its own words)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_messages(body: dict, max_messages: int) -> None:
+    """Raises ApiError(400) when ``messages`` has more than ``max_messages`` entries."""
+    msgs = body.get("messages")
+    if isinstance(msgs, list) and len(msgs) > max_messages:
+        raise ApiError(400, f"too many messages: {len(msgs)}, the limit is {max_messages}")
+
+
+def prompt_text(body: dict) -> str:
+    """All prompt text of an Ollama or OpenAI body: ``prompt``, ``system`` and message
+    contents (strings, or the ``text`` of content parts). Wrong types are skipped (the
+    handler reports them)."""
+    parts: list[str] = []
+    for key in ("system", "prompt", "suffix"):
+        v = body.get(key)
+        if isinstance(v, str):
+            parts.append(v)
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        for m in msgs:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                parts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return "\n".join(parts)
+
+
+async def check_prompt_length(gw, body: dict) -> None:
+    """Raises ApiError(400) when the prompt needs more tokens than one slot's context.
+
+    ``gw`` is the Gateway (inventory, fleet, upstream session, ``context_per_slot``).
+    """
+    name = body.get("model")
+    if not isinstance(name, str) or gw.inventory is None:
+        return
+    entry = gw.inventory.resolve(name)
+    if entry is None or entry.embeddings:
+        return
+    ctx = gw.context_per_slot(entry.name)
+    text = prompt_text(body)
+    if not ctx or len(text.encode("utf-8", "surrogatepass")) <= ctx:
+        return
+    n = await _count_tokens(gw, entry.name, text)
+    if n is not None and n >= ctx:
+        raise ApiError(400, f"the input length ({n} tokens) exceeds the context length of a "
+                            f"slot ({ctx} tokens)")
+
+
+async def _count_tokens(gw, model: str, text: str) -> int | None:
+    fleet, up = gw.fleet, gw.upstream
+    if fleet is None or up is None or up.session is None:
+        return None
+    for sup in fleet.supervisors.values():
+        if sup.spec.alias != model:
+            continue
+        ep = fleet.endpoint_of(sup.id)
+        if ep is None:
+            continue
+        try:
+            async with up.session.post(ep.url + "/tokenize", data=orjson.dumps({"content": text}),
+                                       headers={"Authorization": f"Bearer {ep.api_key}",
+                                                "Content-Type": "application/json"},
+                                       timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status != 200:
+                    continue
+                data = orjson.loads(await r.read())
+                return len(data.get("tokens") or ())
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as e:
+            log.info("limits.tokenize_failed", worker=sup.id, error=str(e))
+    return None

@@ -1,0 +1,137 @@
+"""Access control on a real gateway: API keys with real clients, per-key limits, Host header
+(DNS rebinding), CORS, and the workers' own per-start key."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import ollama
+import openai
+import pytest
+
+from gateway.auth import hash_key
+from tests.conftest import base_config, free_port
+
+pytestmark = pytest.mark.slow
+
+ADMIN, WEB, LIMITED = "admin-key-1", "web-key-2", "limited-key-3"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    from tests.conftest import start_gateway
+    cfg = base_config(free_port(), auth={"keys": [
+        {"name": "ops", "sha256": hash_key(ADMIN), "admin": True},
+        {"name": "webui", "sha256": hash_key(WEB), "models": ["demo"], "priority": 5},
+        {"name": "batch", "sha256": hash_key(LIMITED), "models": ["other"],
+         "max_concurrent": 1, "rate_per_minute": 3}]},
+        http={"cors_origins": ["http://localhost:3000"]})
+    cfg["models"][0].update(cpu=1, slots=2)
+    cfg["models"].append({"name": "other", "path": "builtin:demo", "cpu": 1, "slots": 1,
+                          "context": 2048})
+    gw = start_gateway(tmp_path_factory.mktemp("secured"), cfg,
+                       headers={"Authorization": f"Bearer {ADMIN}"})
+    yield gw
+    gw.stop()
+
+
+def test_missing_or_wrong_key_401_in_route_shape(secured):
+    url = secured.url
+    r = httpx.post(url + "/api/chat", json={"model": "demo", "messages": []})
+    assert r.status_code == 401 and "API key" in r.json()["error"]
+    assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/api/tags", headers={"Authorization": f"Basic {WEB}"}).status_code == 401
+    assert httpx.get(url + "/").text == "Ollama is running"  # heartbeat stays open
+
+
+def test_real_clients_with_keys(secured):
+    c = ollama.Client(host=secured.url, headers={"Authorization": f"Bearer {WEB}"})
+    out = c.generate(model="demo", prompt="hi", options={"num_predict": 4})
+    assert out.done and out.done_reason == "length"
+    oc = openai.OpenAI(base_url=secured.url + "/v1", api_key=WEB)
+    chat = oc.chat.completions.create(model="demo", max_tokens=4,
+                                      messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].finish_reason == "length"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=secured.url + "/v1", api_key="wrong").models.list()
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=secured.url).list()
+    assert e.value.status_code == 401
+
+
+def test_model_not_allowed_403(secured):
+    h = {"Authorization": f"Bearer {WEB}"}
+    r = httpx.post(secured.url + "/api/generate", headers=h,
+                   json={"model": "other", "prompt": "x", "stream": False})
+    assert r.status_code == 403 and r.json() == {"error": "key 'webui' may not use model 'other'"}
+    r = httpx.post(secured.url + "/v1/chat/completions", headers=h,
+                   json={"model": "other:latest", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    r = httpx.get(secured.url + "/gateway/api/workers", headers=h)
+    assert r.status_code == 403  # admin endpoints need an admin key
+
+
+def test_per_key_concurrency_and_rate(secured):
+    h = {"Authorization": f"Bearer {LIMITED}"}
+    body = {"model": "other", "prompt": "a", "raw": True, "stream": False,
+            "options": {"num_predict": 3000}}
+    with cf.ThreadPoolExecutor(2) as ex:
+        rs = list(ex.map(lambda _: httpx.post(secured.url + "/api/generate", headers=h, json=body,
+                                              timeout=60), range(2)))
+    codes = sorted(r.status_code for r in rs)
+    assert codes == [200, 429], [r.text for r in rs]
+    busy = next(r for r in rs if r.status_code == 429)
+    assert "concurrent" in busy.json()["error"]
+    # 3 per minute: 1 used above (the refused one does not count), 2 left, then 429
+    for _ in range(2):
+        ok = httpx.post(secured.url + "/api/generate", headers=h, timeout=60,
+                        json={**body, "options": {"num_predict": 2}})
+        assert ok.status_code == 200
+    r = httpx.post(secured.url + "/api/generate", headers=h, timeout=60,
+                   json={**body, "options": {"num_predict": 2}})
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert "rate limit" in r.json()["error"]
+
+
+def test_host_header_checked_on_loopback(secured):
+    h = {"Authorization": f"Bearer {WEB}"}
+    for host in ("evil.example.com", "attacker.com:11434"):
+        r = httpx.get(secured.url + "/api/tags", headers={**h, "Host": host})
+        assert r.status_code == 403 and "not allowed" in r.json()["error"], host
+    for host in ("localhost", f"127.0.0.1:{secured.port}", "myhost.local", "[::1]:80",
+                 "10.1.2.3", "box.internal"):
+        assert httpx.get(secured.url + "/api/tags", headers={**h, "Host": host}).status_code == 200, host
+
+
+def test_cors_only_for_configured_origins(secured):
+    h = {"Authorization": f"Bearer {WEB}"}
+    r = httpx.get(secured.url + "/api/tags", headers={**h, "Origin": "http://localhost:3000"})
+    assert r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    r = httpx.get(secured.url + "/api/tags", headers={**h, "Origin": "http://evil.com"})
+    assert "Access-Control-Allow-Origin" not in r.headers
+    pre = httpx.options(secured.url + "/api/chat", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization"})
+    assert pre.status_code == 204 and "Authorization" in pre.headers["Access-Control-Allow-Headers"]
+    pre = httpx.options(secured.url + "/api/chat", headers={
+        "Origin": "http://evil.com", "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 403
+    # streams carry the header too
+    with httpx.stream("POST", secured.url + "/api/generate", headers={
+            **h, "Origin": "http://localhost:3000"},
+            json={"model": "demo", "prompt": "a", "options": {"num_predict": 3}}) as r:
+        assert r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        r.read()
+
+
+def test_cors_off_by_default_and_worker_needs_its_key(gateway):
+    r = httpx.get(gateway.url + "/api/tags", headers={"Origin": "http://localhost:3000"})
+    assert r.status_code == 200 and "Access-Control-Allow-Origin" not in r.headers
+    w = gateway.workers()[0]
+    direct = httpx.post(f"http://127.0.0.1:{w['port']}/completion",
+                        json={"prompt": "x", "n_predict": 2}, timeout=30)
+    assert direct.status_code == 401
+    assert httpx.get(f"http://127.0.0.1:{w['port']}/slots", timeout=10).status_code == 401

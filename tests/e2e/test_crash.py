@@ -1,0 +1,72 @@
+"""Worker crashes: mid-request (field case 16) and crash loops."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import base_config, free_port
+from tests.e2e.test_watchdog import stream_lines, wait_for
+from tests.fakes import fake_binary
+
+pytestmark = pytest.mark.slow
+
+
+def test_crash_mid_request_errors_streams_and_queued_run_elsewhere(gateway_factory):
+    """Case 16: SIGKILL a worker streaming 2 requests while 3 more wait: the 2 end with an
+    error line, the other 5 complete, the worker restarts with backoff and its crash is
+    counted."""
+    cfg = base_config(free_port())
+    cfg["models"][0]["context"] = 8192
+    gw = gateway_factory(cfg)
+    body = {"model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 6000}}
+    with cf.ThreadPoolExecutor(7) as ex:
+        futs = [ex.submit(stream_lines, gw.url + "/api/generate", body, 120) for _ in range(4)]
+        st = wait_for(lambda: (s := gw.status()) and all(w["busy"] == 2 for w in s["workers"]) and s,
+                      30, "4 streams running")
+        futs += [ex.submit(stream_lines, gw.url + "/api/generate", body, 120) for _ in range(3)]
+        wait_for(lambda: gw.status()["queue"]["depth"] == 3, 10, "3 queued")
+        victim = st["workers"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        results = [f.result(timeout=120) for f in futs]
+    errors = [lines[-1] for status, lines in results if "error" in lines[-1]]
+    done = [lines[-1] for status, lines in results if lines[-1].get("done") is True]
+    assert len(errors) == 2 and len(done) == 5, [r[1][-1] for r in results]
+    assert all(status == 200 for status, _ in results)
+    assert all(d["done_reason"] == "length" for d in done)
+    w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == victim["id"]
+                               and x["state"] == "ready"), None), 60, "restart")
+    assert w["crashes"] == 1 and w["restarts"] == 1 and w["pid"] != victim["pid"]
+    st = gw.status()
+    assert st["queue"]["depth"] == 0 and all(x["busy"] == 0 for x in st["workers"])
+
+
+def test_crash_loop_marks_worker_failed_then_retries(tmp_path, gateway_factory):
+    """A worker that crashes right after becoming ready: 3 restarts within the window mark it
+    `failed` (state and detail in /gateway/api/workers); it is tried again after
+    failed_retry_s, never in a hot loop; requests meanwhile get 503, never a hang."""
+    binary = fake_binary(tmp_path, "crash", first_only=False, extra="--fake-crash-after 0.3")
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(binary), "restart_backoff_initial_s": 0.1, "restart_backoff_max_s": 0.2,
+        "crash_loop_restarts": 3, "crash_loop_window_s": 60, "failed_retry_s": 4},
+        queue={"timeout_s": 1})
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = gateway_factory(cfg, wait=False)
+    w = wait_for(lambda: next((x for x in gw.workers() if x["state"] == "failed"), None), 30,
+                 "failed state")
+    assert w["detail"].startswith("crash loop: 3 restarts within 60 s")
+    assert "exited with status 3" in w["detail"] and w["crash_loops"] == 1
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "x",
+                                                   "stream": False}, timeout=30)
+    assert r.status_code == 503 and "error" in r.json()
+    restarts = w["restarts"]
+    time.sleep(2)
+    assert gw.workers()[0]["restarts"] == restarts  # waiting, not looping
+    w2 = wait_for(lambda: next((x for x in gw.workers() if x["crash_loops"] == 2), None), 30,
+                  "second crash loop after the retry")
+    assert w2["restarts"] == restarts + 3

@@ -1,0 +1,106 @@
+"""Request limits on a real gateway: body size, messages, prompt length, slow clients."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import base_config, free_port
+from tests.e2e.test_watchdog import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def limited(gateway_factory):
+    cfg = base_config(free_port(), limits={"max_body_bytes": 20000, "max_messages": 5,
+                                           "write_buffer_bytes": 4096},
+                      timeouts={"header_read_s": 1, "body_read_s": 1, "client_write_s": 1})
+    cfg["models"][0].update(cpu=1, slots=1, context=32768)
+    return gateway_factory(cfg)
+
+
+def test_body_too_large_413_in_route_shape(limited):
+    big = {"model": "demo", "prompt": "x" * 30000}
+    r = httpx.post(limited.url + "/api/generate", json=big, timeout=10)
+    assert r.status_code == 413 and r.headers["content-type"].startswith("application/json")
+    assert "too large" in r.json()["error"]
+    r = httpx.post(limited.url + "/v1/completions", json=big, timeout=10)
+    assert r.status_code == 413 and "too large" in r.json()["error"]["message"]
+    # chunked (no Content-Length): refused while reading
+    r = httpx.post(limited.url + "/api/chat", content=iter([b'{"x": "' + b"y" * 30000 + b'"}']),
+                   timeout=10)
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_too_many_messages_400(limited):
+    msgs = [{"role": "user", "content": "hi"}] * 6
+    r = httpx.post(limited.url + "/api/chat", json={"model": "demo", "messages": msgs}, timeout=10)
+    assert r.status_code == 400 and r.json() == {"error": "too many messages: 6, the limit is 5"}
+    r = httpx.post(limited.url + "/v1/chat/completions", json={"model": "demo", "messages": msgs},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_prompt_longer_than_slot_context_400(gateway_factory):
+    cfg = base_config(free_port())
+    cfg["models"][0].update(cpu=1, slots=1, context=256)
+    gw = gateway_factory(cfg)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 40  # ~1800 bytes
+    for path, body, shape in [
+            ("/api/generate", {"model": "demo", "prompt": prompt, "stream": True}, "ollama"),
+            ("/api/chat", {"model": "demo", "messages": [{"role": "user", "content": prompt}]}, "ollama"),
+            ("/v1/chat/completions", {"model": "demo", "stream": True,
+                                      "messages": [{"role": "user", "content": prompt}]}, "openai")]:
+        r = httpx.post(gw.url + path, json=body, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        msg = r.json()["error"] if shape == "ollama" else r.json()["error"]["message"]
+        assert "exceeds the context length of a slot (256 tokens)" in msg
+    assert gw.workers()[0]["busy"] == 0
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "short", "stream": False,
+                                                   "options": {"num_predict": 4}}, timeout=30)
+    assert r.status_code == 200 and r.json()["done"] is True
+
+
+def test_slow_headers_and_body_are_cut(limited):
+    with socket.create_connection(("127.0.0.1", limited.port)) as s:
+        s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\n")  # headers never end
+        s.settimeout(10)
+        t0 = time.monotonic()
+        assert s.recv(1000) == b""  # closed by the gateway
+        assert time.monotonic() - t0 < 5
+    with socket.create_connection(("127.0.0.1", limited.port)) as s:
+        s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: 100\r\n\r\n{\"model\"")  # body never ends
+        s.settimeout(10)
+        data = s.recv(4000)
+        assert data.startswith(b"HTTP/1.1 408"), data[:200]
+        assert b'"error":"request body not received within 1 s"' in data
+
+
+def test_client_that_stops_reading_is_dropped_and_slot_freed(limited):
+    body = json.dumps({"model": "demo", "prompt": "a", "raw": True,
+                       "options": {"num_predict": 30000}}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", limited.port))
+    s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        wait_for(lambda: limited.workers()[0]["busy"] == 1, 10, "stream started")
+        # never read: the gateway's buffer fills, then it drops us and frees the slot
+        wait_for(lambda: limited.workers()[0]["busy"] == 0, 20, "slot freed")
+    finally:
+        s.close()
+    assert "watchdog.client_dropped" in limited.log_path.read_text()
+    worker = limited.workers()[0]
+    wait_for(lambda: not any(x.get("is_processing") for x in limited.slots(worker)), 5,
+             "worker slot idle")
+    r = httpx.post(limited.url + "/api/generate", json={"model": "demo", "prompt": "a", "raw": True,
+                                                        "stream": False,
+                                                        "options": {"num_predict": 4}}, timeout=30)
+    assert r.status_code == 200

@@ -1,0 +1,149 @@
+"""Watchdogs and liveness on real gateways (field cases 6, 10, 11).
+
+Broken workers are the FAKE llama-server of tests/fakes (first spawn only; its restart and
+the other worker are real llama-server processes on the demo model).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import base_config, free_port, pid_alive
+from tests.fakes import fake_binary, is_fake
+from workers.provision import ensure_llama_server
+
+pytestmark = pytest.mark.slow
+
+
+def stream_lines(url: str, body: dict, timeout: float = 60) -> tuple[int, list[dict]]:
+    """POST a streaming request; returns (status, parsed NDJSON lines)."""
+    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+        lines = [json.loads(x) for x in r.iter_lines() if x.strip()]
+        return r.status_code, lines
+
+
+def wait_for(pred, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_silent_worker_requests_move_elsewhere(tmp_path, gateway_factory):
+    """Case 10: a worker answers /health but never replies to completions. Requests sent to
+    it time out on first byte and are retried on the other worker; after 2 stalls in a row
+    the silent worker is restarted."""
+    binary = fake_binary(tmp_path, "silent", real=str(ensure_llama_server()))
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
+                                                  "wedge_after_stalls": 2, "stop_grace_s": 2},
+                      timeouts={"first_byte_s": 1.5})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    fake = wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")
+    body = {"model": "demo", "prompt": "hi", "raw": True, "options": {"num_predict": 16}}
+    with cf.ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(stream_lines, gw.url + "/api/generate", body) for _ in range(4)]
+        results = [f.result(timeout=90) for f in futs]
+    for status, lines in results:
+        assert status == 200 and lines[-1].get("done") is True, lines[-1:]
+        assert lines[-1]["done_reason"] == "length"
+    assert "upstream.retry" in gw.log_path.read_text()
+    w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == fake["id"]
+                               and x["state"] == "ready" and x["pid"] != fake["pid"]), None),
+                 60, "silent worker restarted")
+    assert w["wedges"] >= 1 and not is_fake(w["pid"])
+    assert not pid_alive(fake["pid"])
+    st = gw.status()
+    assert st["queue"]["depth"] == 0 and all(x["busy"] == 0 for x in st["workers"])
+
+
+def test_wedged_worker_streams_end_with_error_and_it_restarts(tmp_path, gateway_factory):
+    """Case 11: a worker that stops mid-stream, whose /slots hangs and which ignores SIGTERM.
+    Liveness (/slots with a timeout) marks it wedged: its stream ends with an error line,
+    SIGTERM then SIGKILL after the grace period, restart; the other worker's stream is intact."""
+    binary = fake_binary(tmp_path, "wedge", real=str(ensure_llama_server()))
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(binary), "threads": 1, "liveness_interval_s": 0.5,
+        "liveness_timeout_s": 1, "stop_grace_s": 2}, timeouts={"inter_token_s": 30})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    fake = wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")
+    body = {"model": "demo", "prompt": "hi", "raw": True, "options": {"num_predict": 300}}
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(2) as ex:
+        results = list(ex.map(lambda _: stream_lines(gw.url + "/api/generate", body), range(2)))
+    took = time.monotonic() - t0
+    errors = [lines for _, lines in results if "error" in lines[-1]]
+    done = [lines for _, lines in results if lines[-1].get("done") is True]
+    assert len(errors) == 1 and len(done) == 1, [r[1][-1] for r in results]
+    err = errors[0]
+    assert len(err) >= 2 and err[0]["response"] == "t0 "  # it had streamed before wedging
+    assert "wedged" in err[-1]["error"]
+    assert took < 25  # ended by liveness (~2 s), not by the 30 s inter-token watchdog
+    wait_for(lambda: not pid_alive(fake["pid"]), 15, "SIGKILL of the wedged worker")
+    log = gw.log_path.read_text()
+    assert "worker.stop_timeout" in log  # SIGTERM was ignored, SIGKILL followed
+    w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == fake["id"]
+                               and x["state"] == "ready"), None), 60, "restart")
+    assert w["wedges"] == 1 and w["pid"] != fake["pid"]
+    status, lines = stream_lines(gw.url + "/api/generate", {**body, "options": {"num_predict": 8}})
+    assert status == 200 and lines[-1]["done"] is True
+
+
+def test_inter_token_watchdog_ends_stalled_stream(tmp_path, gateway_factory):
+    """A stream that stops mid-answer (worker still answering /slots for the first probes is
+    not required: liveness is slowed down here) ends by the inter-token watchdog with an
+    error line, and the SSE route gets an error event."""
+    binary = fake_binary(tmp_path, "wedge", first_only=False)
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(binary), "liveness_interval_s": 60, "liveness_timeout_s": 30,
+        "stop_grace_s": 1}, timeouts={"inter_token_s": 1.5})
+    cfg["models"][0].update(slots=1, cpu=1)
+    gw = gateway_factory(cfg)
+    t0 = time.monotonic()
+    status, lines = stream_lines(gw.url + "/api/chat", {
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and "error" in lines[-1], lines
+    assert "sent nothing for 1.5 s" in lines[-1]["error"]
+    assert time.monotonic() - t0 < 20
+
+
+def test_runaway_generation_is_bounded(tmp_path, gateway_factory):
+    """Case 6: num_predict unset → generation.num_predict_max bounds it (done_reason length);
+    timeouts.request_s bounds a request in time: the stream ends with an error line and the
+    slot is freed."""
+    cfg = base_config(free_port(), generation={"num_predict_max": 12})
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = gateway_factory(cfg)
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "a", "raw": True,
+                                                   "stream": False}, timeout=60)
+    assert r.status_code == 200 and r.json()["done_reason"] == "length"
+    assert r.json()["eval_count"] == 12
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "demo", "prompt": "a",
+                                                      "max_tokens": 100000}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 12
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_request_deadline_frees_slot(tmp_path, gateway_factory):
+    cfg = base_config(free_port(), timeouts={"request_s": 1.0})
+    cfg["models"][0].update(cpu=1, slots=1, context=32768)
+    gw = gateway_factory(cfg)
+    t0 = time.monotonic()
+    status, lines = stream_lines(gw.url + "/api/generate", {
+        "model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 30000}})
+    assert status == 200 and lines[-1] == {"error": "request deadline exceeded"}, lines[-1]
+    assert time.monotonic() - t0 < 10
+    worker = gw.workers()[0]
+    assert worker["busy"] == 0
+    wait_for(lambda: not any(s.get("is_processing") for s in gw.slots(worker)), 5,
+             "worker slot idle")

@@ -1,0 +1,37 @@
+"""Deliberately broken workers for fault tests (named fakes; see fake_llama_server.py)."""
+
+from __future__ import annotations
+
+import stat
+import sys
+from pathlib import Path
+
+FAKE = Path(__file__).with_name("fake_llama_server.py")
+
+
+def fake_binary(tmp_path: Path, mode: str, *, first_only: bool = True, real: str | None = None,
+                extra: str = "") -> Path:
+    """A llama-server stand-in script for ``llama_server.binary``.
+
+    ``first_only``: only the first process spawned through it is the FAKE (``mode``); every
+    later spawn (the other worker, restarts) execs the real llama-server ``real``.
+    """
+    script = tmp_path / f"fake-llama-server-{mode}"
+    fake = f"exec '{sys.executable}' '{FAKE}' --fake-mode {mode} {extra} \"$@\""
+    if first_only:
+        assert real is not None
+        lock = tmp_path / f"fake-{mode}.lock"
+        body = f"if mkdir '{lock}' 2>/dev/null; then\n  {fake}\nfi\nexec '{real}' \"$@\"\n"
+    else:
+        body = fake + "\n"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def is_fake(pid: int) -> bool:
+    """True when the process is the FAKE server (its command line names the fake script)."""
+    try:
+        return FAKE.name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

@@ -1,0 +1,74 @@
+"""Unit tests of gateway.auth: key hashing, key ring, per-key rate bucket, Host rules, CORS."""
+
+import pytest
+
+from gateway.auth import Cors, HostCheck, KeyRing, allowed_host, hash_key
+from gateway.cli import main
+from gateway.config import ConfigError, parse_config
+
+
+def cfg(**over):
+    return parse_config({"models": [{"name": "demo", "path": "builtin:demo", "aliases": ["d"]},
+                                    {"name": "other", "path": "builtin:demo"}], **over})
+
+
+def test_hash_key_and_cli(capsys):
+    assert hash_key("foo") == "2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"
+    assert main(["hash-key", "foo"]) == 0
+    assert capsys.readouterr().out == hash_key("foo") + "\n"
+    assert main(["hash-key"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    key, digest = out[0].split()[-1], out[1].split()[-1]
+    assert key.startswith("lgw-") and digest == hash_key(key)
+
+
+def test_key_ring_lookup_models_and_rate():
+    c = cfg(auth={"keys": [{"name": "a", "sha256": hash_key("k1"), "models": ["d"],
+                            "rate_per_minute": 2}]})
+    ring = KeyRing(c)
+    assert ring.enabled
+    k = ring.lookup("Bearer k1")
+    assert k is not None and ring.lookup("bearer k1") is k
+    assert ring.lookup("Bearer k2") is None and ring.lookup("Basic k1") is None
+    assert ring.lookup(None) is None and ring.lookup("Bearer ") is None
+    assert k.allows_model("demo:latest") and k.allows_model("DEMO") and not k.allows_model("other")
+    assert k.take_token(100.0) == 0 and k.take_token(100.0) == 0
+    wait = k.take_token(100.0)
+    assert 29 < wait <= 30  # one request per 30 s refills
+    assert k.take_token(130.1) == 0
+    assert not KeyRing(cfg()).enabled
+
+
+def test_auth_config_errors():
+    with pytest.raises(ConfigError) as e:
+        cfg(auth={"keys": [{"name": "a", "sha256": "abc"},
+                           {"name": "b", "sha256": hash_key("x"), "max_concurrent": 0},
+                           {"name": "c", "sha256": hash_key("x"), "models": []}]})
+    text = str(e.value)
+    assert "auth.keys[0].sha256: expected a SHA-256 hex digest" in text
+    assert "auth.keys[1].max_concurrent: expected a positive integer or null, got 0" in text
+    assert "auth.keys[2].models: expected a non-empty list" in text
+    with pytest.raises(ConfigError) as e:
+        cfg(auth={"keys": [{"name": "a", "sha256": hash_key("x")},
+                           {"name": "b", "sha256": hash_key("x")}]})
+    assert "auth.keys[1].sha256: same key as keys[0]" in str(e.value)
+
+
+@pytest.mark.parametrize("host,ok", [
+    ("localhost", True), ("localhost:11434", True), ("127.0.0.1:11434", True), ("[::1]:11434", True),
+    ("192.168.1.5", True), ("10.0.0.1:80", True), ("0.0.0.0", True), ("a.localhost", True),
+    ("printer.local", True), ("svc.internal:8080", True), ("", True),
+    ("evil.com", False), ("8.8.8.8", False), ("localhost.evil.com", False), ("[2001:db8::1]:80", True),
+    ("[2606:4700::1]:80", False)])
+def test_allowed_host(host, ok):
+    assert allowed_host(host) is ok
+
+
+def test_host_check_only_on_loopback_and_cors():
+    assert HostCheck(cfg()).active and not HostCheck(cfg()).ok("evil.com")
+    assert not HostCheck(cfg(listen="0.0.0.0:11434")).active
+    assert not HostCheck(cfg(http={"check_host": False})).active
+    assert Cors(cfg()).headers("http://localhost:3000", False) == {}
+    c = Cors(cfg(http={"cors_origins": ["http://localhost:3000"]}))
+    assert c.allow("http://LOCALHOST:3000") == "http://LOCALHOST:3000" and c.allow("http://x") is None
+    assert Cors(cfg(http={"cors_origins": ["*"]})).allow("http://x") == "*"

@@ -1,0 +1,88 @@
+"""Unit tests of gateway.watchdog with an injected clock and stand-in stream objects."""
+
+import asyncio
+
+from gateway.upstream import UpstreamError
+from gateway.watchdog import StreamWatch, Watchdog
+
+
+class Content:  # stands in for aiohttp's StreamReader: total_bytes + set_exception
+    def __init__(self):
+        self.total_bytes = 0
+        self.exc = None
+
+    def set_exception(self, exc):
+        self.exc = exc
+
+
+class Resp:
+    def __init__(self):
+        self.content = Content()
+
+
+class Transport:
+    def __init__(self):
+        self.buffered = 0
+        self.aborted = False
+
+    def is_closing(self):
+        return self.aborted
+
+    def get_write_buffer_size(self):
+        return self.buffered
+
+    def abort(self):
+        self.aborted = True
+
+
+def make(**kw):
+    stalls, progress = [], []
+    wd = Watchdog(UpstreamError, first_byte_s=5, inter_token_s=2, client_write_s=3,
+                  write_buffer_bytes=100, on_stall=stalls.append, on_progress=progress.append, **kw)
+    return wd, stalls, progress
+
+
+def test_first_byte_inter_token_and_deadline():
+    wd, stalls, progress = make()
+    a = StreamWatch("w1", "r1", Resp(), t_sent=0.0, deadline=100.0)
+    b = StreamWatch("w2", "r2", Resp(), t_sent=0.0, deadline=100.0)
+    c = StreamWatch("w3", "r3", Resp(), t_sent=0.0, deadline=3.0)
+    for w in (a, b, c):
+        w.t_progress = 0.0
+        wd.watches.add(w)
+    b.resp.content.total_bytes = 10
+    wd.check(1.0)
+    assert progress == ["w2"] and not stalls
+    wd.check(3.5)  # b silent 2.5 s > inter_token_s; c past its deadline
+    assert b.resp.content.exc.kind == "inter_token_timeout" and stalls == ["w2"]
+    assert c.resp.content.exc.kind == "deadline" and c.resp.content.exc.status == 504
+    assert a.resp.content.exc is None
+    wd.check(5.5)
+    assert a.resp.content.exc.kind == "first_byte_timeout" and stalls == ["w2", "w1"]
+
+
+def test_client_not_reading_is_dropped_and_worker_not_blamed():
+    wd, stalls, _ = make()
+    t = Transport()
+    w = StreamWatch("w1", "r1", Resp(), t_sent=0.0, deadline=100.0, downstream=t)
+    w.t_progress = 0.0
+    wd.watches.add(w)
+    w.resp.content.total_bytes = 5
+    wd.check(0.5)
+    t.buffered = 100
+    for now in (1.0, 2.5, 3.9):
+        wd.check(now)
+    assert not t.aborted and not stalls  # blocked by the client: worker not timed
+    wd.check(4.1)
+    assert t.aborted and not stalls and w.aborted == "client stopped reading"
+
+
+def test_abort_worker_only_hits_that_worker():
+    wd, _, _ = make()
+    ws = [StreamWatch(f"w{i % 2}", f"r{i}", Resp(), 0.0, 100.0) for i in range(4)]
+    wd.watches.update(ws)
+    assert wd.abort_worker("w1", "worker w1 wedged") == 2
+    assert [w.resp.content.exc is not None for w in ws] == [False, True, False, True]
+    assert ws[1].resp.content.exc.message == "worker w1 wedged"
+    assert wd.abort_worker("w1", "again") == 0  # idempotent
+    asyncio.run(asyncio.sleep(0))
