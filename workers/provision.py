@@ -373,6 +373,9 @@ def _cmake_configure_args(source: Path, build: Path, backend: str) -> list[str]:
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_OPENSSL=OFF",
         "-DGGML_NATIVE=ON",
+        # The sdist carries no git metadata: name the pinned commit, or --version says "unknown".
+        f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_COMMIT}",
+        "-DLLAMA_BUILD_NUMBER=1",
         # The binary finds its shared libraries beside itself ($ORIGIN), so bin/ can be moved.
         "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
         "-DCMAKE_BUILD_RPATH=$ORIGIN",
