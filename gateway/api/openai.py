@@ -40,7 +40,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     if gen.num_predict_max is not None and (not isinstance(mt, int) or mt < 0 or mt > gen.num_predict_max):
         body["max_tokens"] = gen.num_predict_max
     mcfg = gw.model_config(entry.name)
-    ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s)
+    ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s,
+                         body=body)
     retry = {"Retry-After": str(gw.config.queue.retry_after_s)}
     out: web.StreamResponse | None = None
     try:
