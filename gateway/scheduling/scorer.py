@@ -19,8 +19,9 @@ Prefix affinity with bounded load (Mirrokni, Thorup, Zadimoghaddam, "Consistent 
 Bounded Loads", SODA 2018, in its rendezvous-hash form): the workers are ranked for a
 ticket's ``prefix_key`` by a per-(key, worker) hash (highest random weight); the ticket goes to
 the first ranked candidate whose occupancy after taking it stays within
-``affinity_bound`` × the fleet's average occupancy after taking it (rounded up to a whole
-slot). The same system prompt therefore keeps landing on the worker that already holds it in
+``affinity_bound`` × the fleet's average occupancy after taking it, rounded up to a whole
+slot, plus one slot of slack (without the slack a nearly idle fleet would break affinity at
+the second request: 2 requests on 4 workers average 0.5 each, bound 1). The same system prompt therefore keeps landing on the worker that already holds it in
 its KV cache (llama-server reuses a slot's cached prefix, ``cache_prompt``), spills to a
 stable second choice under load, and never piles onto one worker beyond the bound.
 """
@@ -110,7 +111,7 @@ class LeastLoaded:
         for w in rendezvous_rank(ticket.prefix_key, fleet):
             if id(w) not in cand:
                 continue
-            bound = math.ceil(self.affinity_bound * avg * w.slots)
+            bound = math.ceil(self.affinity_bound * avg * w.slots) + 1
             if occupancy(w) + 1 <= bound:
                 return w
         return None
