@@ -15,20 +15,21 @@ Policies (``scheduler.policy`` in the YAML):
 - ``pack``: lowest fleet order with a free slot, i.e. fill GPU 0 first (how Ollama fills one
   runner before the next; a benchmark baseline).
 
-Prefix affinity with bounded load (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with
-Bounded Loads", SODA 2018, in its rendezvous-hash form): the workers are ranked for a
-ticket's ``prefix_key`` by a per-(key, worker) hash (highest random weight); the ticket goes to
-the first ranked candidate whose occupancy after taking it stays within
-``affinity_bound`` × the fleet's average occupancy after taking it, rounded up to a whole
-slot, plus one slot of slack (without the slack a nearly idle fleet would break affinity at
-the second request: 2 requests on 4 workers average 0.5 each, bound 1). The same system prompt therefore keeps landing on the worker that already holds it in
-its KV cache (llama-server reuses a slot's cached prefix, ``cache_prompt``), spills to a
-stable second choice under load, and never piles onto one worker beyond the bound.
+Prefix affinity with bounded load (after Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing
+with Bounded Loads", SODA 2018, in rendezvous-hash form): the workers are ranked for a ticket's
+``prefix_key`` by a per-(key, worker) hash (highest random weight); the ticket goes to the first
+ranked candidate whose load (occupancy / slots, before taking it) is at most
+``affinity_bound`` × the fleet's average load. An idle fleet sends every request of a prefix
+to its home worker; concurrent requests spread once the home is above average (so a burst of
+identical prompts still uses every worker, field case 9); under steady load the same system
+prompt keeps landing on the worker whose slots hold it in KV (llama-server reuses an idle
+slot's cached prefix, ``cache_prompt``), spilling to a stable second choice. No per-worker
+prefix index is kept: the hash ranking is the index, so nothing has to be learned or expired,
+and it survives gateway restarts.
 """
 
 from __future__ import annotations
 
-import math
 import random as _random
 from typing import Protocol, Sequence
 
@@ -104,15 +105,10 @@ class LeastLoaded:
         if self.affinity_bound is None or ticket.prefix_key is None:
             return None
         fleet = fleet or candidates
-        total_slots = sum(w.slots for w in fleet)
-        total_busy = sum(occupancy(w) for w in fleet) + 1
-        avg = total_busy / total_slots
+        avg = sum(occupancy(w) for w in fleet) / sum(w.slots for w in fleet)
         cand = {id(w) for w in candidates}
         for w in rendezvous_rank(ticket.prefix_key, fleet):
-            if id(w) not in cand:
-                continue
-            bound = math.ceil(self.affinity_bound * avg * w.slots) + 1
-            if occupancy(w) + 1 <= bound:
+            if id(w) in cand and occupancy(w) / w.slots <= self.affinity_bound * avg + 1e-9:
                 return w
         return None
 

@@ -1,7 +1,5 @@
 """Scorer and KV-headroom unit tests (pure scheduling objects, injected clock)."""
 
-import math
-
 import pytest
 
 from gateway.scheduling import Dispatcher, Ticket, TooLarge, WorkerLoad, make_scorer
@@ -70,20 +68,28 @@ def test_too_large_prompt_refused_up_front():
     assert d.submit(t(prompt_tokens=100)) is not None
 
 
-def test_affinity_sticks_within_bound_and_spills_beyond():
+def test_affinity_home_when_idle_spread_when_above_average():
     d = mk(n=4, slots=4)
     key = 12345
-    home = rendezvous_rank(key, list(d.workers.values()))[0]
-    first = [d.submit(t(i, prefix_key=key)) for i in range(2)]
-    assert all(l.worker is home for l in first)
-    # requests without a key go elsewhere (least loaded)
-    others = [d.submit(t(100 + i)) for i in range(3)]
-    assert all(l.worker is not home for l in others)
-    # a burst of the same prefix: home takes it while within the bound, then it spills
-    burst = [d.submit(t(200 + i, prefix_key=key)) for i in range(6)]
-    assert {l.worker.id for l in burst} - {home.id}, "bounded load must spill"
-    for n_home, total in [(home.busy, sum(w.busy for w in d.workers.values()))]:
-        assert n_home <= math.ceil(1.25 * total / 16 * 4) + 1
+    ws = list(d.workers.values())
+    home, second = rendezvous_rank(key, ws)[:2]
+    a = d.submit(t(1, prefix_key=key))
+    assert a.worker is home  # idle fleet: home
+    b = d.submit(t(2, prefix_key=key))
+    assert b.worker is second  # home above average: the stable second choice
+    a.release()
+    b.release()
+    # moderate load: home at the fleet average keeps affinity
+    fill = [d.submit(t(10 + i)) for i in range(8)]  # 2 per worker
+    assert home.busy == 2
+    assert d.submit(t(3, prefix_key=key)).worker is home  # 0.5 <= 1.25 * 0.5
+    assert d.submit(t(4, prefix_key=key)).worker is not home  # 0.75 > 1.25 * 9/16
+    assert fill
+
+
+def test_affinity_disabled_is_pure_least_loaded():
+    d = mk(n=2, slots=2, affinity=False)
+    assert {d.submit(t(i, prefix_key=7)).worker.id for i in range(2)} == {"w0", "w1"}
 
 
 def test_rendezvous_rank_stable_and_spread():
