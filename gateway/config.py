@@ -445,7 +445,7 @@ class SchedulerConfig(_Section):
     baselines "least_connections", "round_robin", "random", "pack" (fill worker 0 first)."""
     prefix_affinity: StrictBool = True
     """least_loaded only: send requests sharing a prompt prefix to the same worker (bounded load)."""
-    affinity_bound: Annotated[float, PlainValidator(_v_at_least_one)] = 1.25
+    affinity_bound: Annotated[float, PlainValidator(_v_at_least_one)] = 2.0
     """A worker keeps prefix affinity while its occupancy stays within this factor of the
     fleet average (consistent hashing with bounded loads); >= 1."""
     prefix_bytes: PositiveInt = 512

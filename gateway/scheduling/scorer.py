@@ -87,7 +87,7 @@ class LeastLoaded:
 
     kv_aware = True
 
-    def __init__(self, affinity_bound: float | None = 1.25, kv_weight: float = 0.5):
+    def __init__(self, affinity_bound: float | None = 2.0, kv_weight: float = 0.5):
         if affinity_bound is not None and affinity_bound < 1.0:
             raise ValueError("affinity_bound must be >= 1")
         self.affinity_bound = affinity_bound
@@ -167,7 +167,7 @@ class Pack:
         return min(candidates, key=lambda w: w.order)
 
 
-def make_scorer(policy: str, *, affinity: bool = True, affinity_bound: float = 1.25,
+def make_scorer(policy: str, *, affinity: bool = True, affinity_bound: float = 2.0,
                 kv_weight: float = 0.5, seed: int | None = None) -> Scorer:
     """A scorer for a policy name (one of ``POLICIES``). Raises ValueError for others."""
     if policy == "least_loaded":

@@ -69,7 +69,7 @@ def test_too_large_prompt_refused_up_front():
 
 
 def test_affinity_home_when_idle_spread_when_above_average():
-    d = mk(n=4, slots=4)
+    d = mk(n=4, slots=4, affinity_bound=1.25)
     key = 12345
     ws = list(d.workers.values())
     home, second = rendezvous_rank(key, ws)[:2]
