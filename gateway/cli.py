@@ -5,6 +5,7 @@ Verbs:
   install-llama-server     find or build the llama-server binary now (shows build progress)
   demo-model               write the small offline demo GGUF
   check-config             validate a config file and print the worker plan
+  simulate                 simulated routing-quality comparison of scheduling policies
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--path", default=None)
     c = sub.add_parser("check-config", help="validate a config and show the worker plan")
     c.add_argument("-c", "--config", default="gateway.yaml")
+    m = sub.add_parser("simulate", help="simulate scheduling policies on modelled GPUs")
+    m.add_argument("--gpus", default="4,8", help="comma-separated fleet sizes")
+    m.add_argument("--duration", type=float, default=120.0, help="simulated seconds per run")
+    m.add_argument("--profile", default="rtx6000ada-llama8b-q4")
+    m.add_argument("--png", default=None, help="write a plot of effective GPUs and TTFT p99")
     return p
 
 
@@ -75,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
             log.error("llama_server.install_failed", error=str(e))
             return 1
         sys.stdout.write(f"{path}\n")
+        return 0
+    if verb == "simulate":
+        from gateway.simulator.report import markdown, plot, run_all
+        rows = run_all(tuple(int(x) for x in args.gpus.split(",")), args.duration, args.profile)
+        sys.stdout.write(markdown(rows))
+        if args.png:
+            plot(rows, args.png)
         return 0
     if verb == "demo-model":
         from workers.demo_model import demo_model_path, write_demo_model
