@@ -40,7 +40,7 @@ def scenarios(duration_s: float):
     """(name, workload factory, slots per GPU, warmup s, rate scales with GPUs)."""
     return [
         ("seed: 100 concurrent, out 10..1000", lambda n: ClosedLoop(100, duration_s), 16, 20.0),
-        ("poisson 4 req/s per GPU (Azure conv lengths)", lambda n: poisson(4.0 * n, duration_s), 16, 10.0),
+        ("poisson 2 req/s per GPU (Azure conv lengths)", lambda n: poisson(2.0 * n, duration_s), 16, 10.0),
         ("shared system prompts (64, Zipf)", lambda n: shared_prefix(1.25 * n, duration_s,
                                                                       n_prefixes=64), 8, 10.0),
     ]
