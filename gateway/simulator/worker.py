@@ -55,11 +55,12 @@ PROFILES: dict[str, GpuProfile] = {
     "rtx6000ada-llama3b-q4": GpuProfile("RTX 6000 Ada, Llama 3B Q4_K_M", 16148.9, 1 / 315.5,
                                         batch_slope=0.08, attn_s_per_token=1e-8,
                                         source="llama.cpp PR #19053 perf table"),
-    # Calibrated on this machine: the demo model on the real llama-server 0c1e570, -t 1
-    # (one core), measured by tests/bench/calibrate.py (see docs/benchmarks.md).
-    "cpu-demo": GpuProfile("CPU core, demo model (measured)", 16000.0, 1 / 2300.0,
+    # NOT calibrated by a script yet: rough figures for the demo model on one core of this
+    # machine, from shared/reference/llama-server.md (about 16,000 tokens/s for one short
+    # request, about 10,000 tokens/s in total for 4 slots with 500-token outputs).
+    "cpu-demo": GpuProfile("CPU core, demo model (rough)", 16000.0, 1 / 2300.0,
                            batch_slope=0.35, attn_s_per_token=1.5e-7,
-                           source="tests/bench/calibrate.py on this machine"),
+                           source="shared/reference/llama-server.md figures (not calibrated)"),
 }
 
 
