@@ -51,6 +51,14 @@ class Admission:
     def worker_slots(self, worker_id: str, slots: int) -> None:
         self._deliver(self.dispatcher.set_slots(worker_id, slots))
 
+    def worker_context(self, worker_id: str, n_ctx: int, kv_capacity: int | None = None) -> None:
+        """Per-slot context and whole KV capacity (tokens) read back from the worker."""
+        self._deliver(self.dispatcher.set_context(worker_id, n_ctx, kv_capacity))
+
+    def worker_load(self, worker_id: str, load) -> None:
+        """A polled ``WorkerLoad`` (telemetry); may free queued requests (KV headroom)."""
+        self._deliver(self.dispatcher.update_load(worker_id, load))
+
     # ---- requests ----------------------------------------------------------------------------
     async def acquire(self, ticket: Ticket) -> SlotLease:
         """Wait for a slot. Raises ``QueueFull`` at once, ``QueueTimeout`` after the ticket's

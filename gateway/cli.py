@@ -10,6 +10,7 @@ Verbs:
   reload                   reload the running gateway's config file (admin token)
   hash-key [KEY|-]         print the SHA-256 to put in auth.keys[].sha256 (no KEY: a new
                            random key is generated and printed too; "-": read it from stdin)
+  simulate                 simulated routing-quality comparison of scheduling policies
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     h = sub.add_parser("hash-key", help="hash an API key for auth.keys (or make a new one)")
     h.add_argument("key", nargs="?", default=None,
                    help='the key; "-" reads it from stdin; omitted: generate one')
+    m = sub.add_parser("simulate", help="simulate scheduling policies on modelled GPUs")
+    m.add_argument("--gpus", default="4,8", help="comma-separated fleet sizes")
+    m.add_argument("--duration", type=float, default=120.0, help="simulated seconds per run")
+    m.add_argument("--profile", default="rtx6000ada-llama8b-q4")
+    m.add_argument("--png", default=None, help="write a plot of effective GPUs and TTFT p99")
     return p
 
 
@@ -133,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             log.error("llama_server.install_failed", error=str(e))
             return 1
         sys.stdout.write(f"{path}\n")
+        return 0
+    if verb == "simulate":
+        from gateway.simulator.report import markdown, plot, run_all
+        rows = run_all(tuple(int(x) for x in args.gpus.split(",")), args.duration, args.profile)
+        sys.stdout.write(markdown(rows))
+        if args.png:
+            plot(rows, args.png)
         return 0
     if verb == "demo-model":
         from workers.demo_model import demo_model_path, write_demo_model

@@ -250,6 +250,18 @@ def _v_model_patterns(v: object) -> list[str]:
     return list(v)
 
 
+def _v_at_least_one(v: object) -> float:
+    if _is_number(v) and v >= 1:
+        return float(v)
+    raise _Invalid(((), f"expected a number >= 1, got {_got(v)}"))
+
+
+def _v_nonneg_float(v: object) -> float:
+    if _is_number(v) and v >= 0:
+        return float(v)
+    raise _Invalid(((), f"expected a number >= 0, got {_got(v)}"))
+
+
 def _choice(*choices: str):
     options = ", ".join(f'"{c}"' for c in choices)
 
@@ -469,6 +481,36 @@ class QueueConfig(_Section):
     """Longest wait (s) in the gateway queue before answering 503."""
     retry_after_s: PositiveInt = 2
     """Seconds sent in the Retry-After header of 503 answers."""
+
+
+class SchedulerConfig(_Section):
+    """How requests are spread over workers (``scheduler:``); see gateway/scheduling/scorer.py."""
+
+    policy: Annotated[
+        Literal["least_loaded", "least_connections", "round_robin", "random", "pack"],
+        PlainValidator(_choice("least_loaded", "least_connections", "round_robin", "random", "pack")),
+    ] = "least_loaded"
+    """Worker choice: "least_loaded" (slots, KV headroom, worker queue, speed, prefix affinity);
+    baselines "least_connections", "round_robin", "random", "pack" (fill worker 0 first)."""
+    prefix_affinity: StrictBool = True
+    """least_loaded only: send requests sharing a prompt prefix to the same worker (bounded load)."""
+    affinity_bound: Annotated[float, PlainValidator(_v_at_least_one)] = 2.0
+    """A worker keeps prefix affinity while its occupancy stays within this factor of the
+    fleet average (consistent hashing with bounded loads); >= 1."""
+    prefix_bytes: PositiveInt = 512
+    """Bytes of the prompt's head (system prompt / first messages) hashed into the prefix key."""
+    kv_weight: Annotated[float, PlainValidator(_v_nonneg_float)] = 0.5
+    """Weight of KV-cache fill against slot occupancy in least_loaded's cost."""
+    poll_interval_s: PositiveFloat = 0.25
+    """Seconds between polls of each worker's /slots and /metrics."""
+    poll_timeout_s: PositiveFloat = 1.0
+    """Timeout (s) of one /slots or /metrics poll."""
+    aging_s: PositiveFloat = 10.0
+    """Seconds of waiting that raise a queued request's priority by one class."""
+    bytes_per_token: PositiveFloat = 4.0
+    """Prompt bytes per token used for size estimates until a worker's tokenizer was measured."""
+    unknown_num_predict_tokens: PositiveInt = 512
+    """Tokens assumed for KV planning when a request sets no num_predict limit."""
 
 
 class TimeoutsConfig(_Section):
@@ -722,8 +764,8 @@ class ModelConfig(_Section):
         return full.replace(":", "-").replace("/", "_")
 
 
-_SECTIONS = ("llama_server", "queue", "timeouts", "generation", "log", "shutdown", "admin",
-             "limits", "auth", "http")
+_SECTIONS = ("llama_server", "queue", "scheduler", "timeouts", "generation", "log", "shutdown",
+             "admin", "limits", "auth", "http")
 
 
 class GatewayConfig(_Section):
@@ -733,6 +775,7 @@ class GatewayConfig(_Section):
     """Address of the Ollama API, "host:port"; IPv6 as "[::1]:11434"; port 0 = any free port."""
     llama_server: LlamaServerConfig = Field(default_factory=LlamaServerConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     log: LogConfig = Field(default_factory=LogConfig)

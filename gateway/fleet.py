@@ -1,7 +1,9 @@
-"""The fleet: one WorkerSupervisor per WorkerPlan, wired into admission.
+"""The fleet: one WorkerSupervisor per WorkerPlan, wired into admission, plus telemetry.
 
 Readiness flows one way: supervisor → ``Admission.worker_ready`` → dispatcher. The scheduler
 never calls a worker; the upstream client asks ``endpoint_of`` for a ready worker's address.
+Telemetry flows the same way: one ``WorkerPoller`` per worker (``/slots``, ``/metrics``, NVML
+every ``scheduler.poll_interval_s``) → ``Admission.worker_load`` → dispatcher scores.
 """
 
 from __future__ import annotations
@@ -11,18 +13,29 @@ import os
 import time
 from pathlib import Path
 
+import aiohttp
+
 from gateway.admission import Admission
 from gateway.config import GatewayConfig, WorkerPlan
 from gateway.logs import get_logger
+from gateway.scheduling import make_scorer
+from gateway.sizing import SizeEstimate, estimate
 from gateway.upstream import Endpoint
+from workers.gpu import read_gpu_stats
 from workers.process import LaunchSpec
 from workers.supervisor import WorkerSupervisor
+from workers.telemetry import Sample, WorkerPoller
 
 log = get_logger("gateway.fleet")
 
+# Sample text for measuring a tokenizer's bytes per token (/tokenize on a ready worker):
+# ordinary English prose, the common case for chat prompts.
+_TOKENIZE_SAMPLE = ("You are a helpful assistant. Answer the user's questions clearly and "
+                    "concisely, and explain your reasoning step by step when it helps. ") * 4
+
 
 class Fleet:
-    """Builds, starts and stops the workers of a config."""
+    """Builds, starts and stops the workers of a config; polls their load."""
 
     def __init__(self, config: GatewayConfig, binary: Path, model_paths: dict[str, Path],
                  admission: Admission, state_dir: Path):
@@ -34,6 +47,15 @@ class Fleet:
         self.supervisors: dict[str, WorkerSupervisor] = {}
         self.plans: dict[str, WorkerPlan] = {}
         self.upstream = None  # set by the gateway: streams of a worker that goes down are ended
+        self.pollers: dict[str, WorkerPoller] = {}
+        self.bytes_per_token: dict[str, float] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task] = set()
+        sc = config.scheduler
+        d = admission.dispatcher
+        d.scorer = make_scorer(sc.policy, affinity=sc.prefix_affinity,
+                               affinity_bound=sc.affinity_bound, kv_weight=sc.kv_weight)
+        d.queue.aging_s = sc.aging_s
 
     def _threads(self, plans: list[WorkerPlan]) -> int | None:
         ls = self.config.llama_server
@@ -71,7 +93,14 @@ class Fleet:
                                failed_retry_s=ls.failed_retry_s)
         self.supervisors[plan.id] = sup
         self.plans[plan.id] = plan
-        self.admission.dispatcher.add_worker(plan.id, plan.model, plan.slots)
+        self.admission.dispatcher.add_worker(plan.id, plan.model, plan.slots,
+                                             n_ctx=plan.context, kv_capacity=plan.total_context)
+        sc = self.config.scheduler
+        self.pollers[plan.id] = WorkerPoller(
+            plan.id, lambda wid=plan.id: self.endpoint_of(wid),
+            lambda s, wid=plan.id: self._on_sample(wid, s),
+            interval_s=sc.poll_interval_s, timeout_s=sc.poll_timeout_s,
+            gpus=tuple(plan.gpus), read_gpus=read_gpu_stats)
         return sup
 
     # ---- live changes (reload, admin) -------------------------------------------------------
@@ -105,6 +134,9 @@ class Fleet:
         await self.drain(worker_id, drain_s)
         sup = self.supervisors.pop(worker_id)
         self.plans.pop(worker_id, None)
+        poller = self.pollers.pop(worker_id, None)
+        if poller is not None:
+            await poller.stop()
         await sup.stop()
         self.admission.dispatcher.remove_worker(worker_id)
         log.info("worker.removed", worker=worker_id)
@@ -113,6 +145,8 @@ class Fleet:
         """Register and start a worker for ``plan`` (not in rotation until ready)."""
         sup = self._add(plan, self._threads(list(self.plans.values()) + [plan]))
         sup.start()
+        if self._session is not None:
+            self.pollers[plan.id].start(self._session)
         log.info("worker.added", worker=plan.id, slots=plan.slots, gpus=list(plan.gpus))
         return sup
 
@@ -133,7 +167,14 @@ class Fleet:
     def _on_ready(self, sup: WorkerSupervisor) -> None:
         actual = getattr(sup, "actual_slots", sup.spec.slots)
         self.admission.worker_slots(sup.id, actual)
+        if sup.slots_n_ctx:
+            self.admission.worker_context(sup.id, int(sup.slots_n_ctx),
+                                          self.plans[sup.id].total_context)
         self.admission.worker_ready(sup.id, True)
+        if sup.spec.alias not in self.bytes_per_token and self._session is not None:
+            t = asyncio.get_running_loop().create_task(self._measure_tokenizer(sup))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
 
     def _on_down(self, sup: WorkerSupervisor, reason: str) -> None:
         log.warning("worker.down", worker=sup.id, reason=reason)
@@ -153,6 +194,36 @@ class Fleet:
         if sup is not None:
             sup.note_progress()
 
+    def _on_sample(self, worker_id: str, sample: Sample) -> None:
+        self.admission.worker_load(worker_id, sample.load)
+
+    async def _measure_tokenizer(self, sup: WorkerSupervisor) -> None:
+        """Bytes per token of this model's tokenizer, from the worker's ``/tokenize``."""
+        ep = self.endpoint_of(sup.id)
+        if ep is None or self._session is None:
+            return
+        try:
+            async with self._session.post(ep.url + "/tokenize", json={"content": _TOKENIZE_SAMPLE},
+                                          headers={"Authorization": f"Bearer {ep.api_key}"},
+                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
+                toks = (await r.json(content_type=None)).get("tokens") or []
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
+            log.warning("tokenizer.measure_failed", worker=sup.id, error=str(e))
+            return
+        if toks:
+            bpt = len(_TOKENIZE_SAMPLE.encode()) / len(toks)
+            self.bytes_per_token[sup.spec.alias] = bpt
+            log.info("tokenizer.measured", worker=sup.id, model=sup.spec.alias,
+                     bytes_per_token=round(bpt, 3))
+
+    def estimate(self, model: str, body: dict) -> SizeEstimate:
+        """Size estimate and prefix key of an upstream body for ``model`` (gateway.sizing)."""
+        sc = self.config.scheduler
+        n_ctx = max((w.n_ctx for w in self.admission.dispatcher.workers_for(model)), default=0)
+        return estimate(body, bytes_per_token=self.bytes_per_token.get(model, sc.bytes_per_token),
+                        prefix_bytes=sc.prefix_bytes,
+                        unknown_num_predict=sc.unknown_num_predict_tokens, n_ctx=n_ctx)
+
     def endpoint_of(self, worker_id: str) -> Endpoint | None:
         sup = self.supervisors.get(worker_id)
         if sup is None or sup.process is None or not sup.ready:
@@ -160,15 +231,24 @@ class Fleet:
         return Endpoint(sup.process.url, sup.process.api_key)
 
     def start(self) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
         for sup in self.supervisors.values():
             sup.start()
+        for p in self.pollers.values():
+            p.start(self._session)
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         res = await asyncio.gather(*(s.wait_ready(timeout) for s in self.supervisors.values()))
         return all(res)
 
     async def stop(self) -> None:
+        for p in self.pollers.values():
+            await p.stop()
+        for t in list(self._tasks):
+            t.cancel()
         for sup in self.supervisors.values():
             self.admission.dispatcher.workers[sup.id].ready = False
         await asyncio.gather(*(s.stop() for s in self.supervisors.values()),
                              return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()

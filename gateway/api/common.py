@@ -9,7 +9,7 @@ import orjson
 from aiohttp import web
 
 from gateway.api.errors import ApiError
-from gateway.scheduling import Ticket
+from gateway.scheduling import Ticket, TooLarge
 
 STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 
@@ -41,9 +41,14 @@ def request_id(request: web.Request) -> str:
 
 
 def make_ticket(request: web.Request, model: str, default_priority: int,
-                queue_timeout_s: float, est_tokens: int = 0) -> Ticket:
+                queue_timeout_s: float, est_tokens: int = 0, *, body: dict | None = None) -> Ticket:
     """A ticket for this request. The API key's priority (``auth.keys[].priority``) wins;
-    else ``X-Priority`` (integer) overrides the model's default class."""
+    else ``X-Priority`` (integer) overrides the model's default class.
+
+    With ``body`` (the upstream request body), the ticket carries the fleet's size estimate
+    (prompt tokens, KV tokens, prefix key; ``gateway.sizing``). Raises ApiError(400) for a bad
+    ``X-Priority`` and for a prompt that cannot fit any worker's per-slot context (field case 4:
+    refused before anything is forwarded)."""
     prio = request.get("key_priority", default_priority)
     hdr = request.headers.get("X-Priority")
     if hdr is not None and "key_priority" not in request:
@@ -51,8 +56,19 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
             prio = int(hdr)
         except ValueError:
             raise ApiError(400, f"X-Priority must be an integer, got {hdr!r}") from None
-    return Ticket(request_id=request_id(request), model=model, priority=prio,
-                  est_tokens=est_tokens, queue_timeout_s=queue_timeout_s)
+    ticket = Ticket(request_id=request_id(request), model=model, priority=prio,
+                    est_tokens=est_tokens, queue_timeout_s=queue_timeout_s)
+    gw = request.app.get("gw")
+    fleet = getattr(gw, "fleet", None)
+    if body is not None and fleet is not None:
+        size = fleet.estimate(model, body)
+        ticket.prompt_tokens, ticket.est_tokens = size.prompt_tokens, size.est_tokens
+        ticket.prefix_key = size.prefix_key
+        try:
+            gw.dispatcher.check_fits(ticket)
+        except TooLarge as e:
+            raise ApiError(400, str(e)) from None
+    return ticket
 
 
 def t0_ns(request: web.Request) -> int:

@@ -202,7 +202,8 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     """
     gw = _gw(request)
     mcfg = gw.model_config(entry.name)
-    ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s)
+    ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s,
+                         body=upstream_body)
     st = StreamState(t_start_ns=t0_ns(request))
     is_chat = path.endswith("chat/completions")
     out: web.StreamResponse | None = None

@@ -48,7 +48,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     _bound_max_tokens(gw, body)
     entry.touch(None)
     mcfg = gw.model_config(entry.name)
-    ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s)
+    ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s,
+                         body=body)
     retry = {"Retry-After": str(gw.config.queue.retry_after_s)}
     out: web.StreamResponse | None = None
     try:

@@ -8,7 +8,15 @@ Invariants (each has a test):
 - a worker never holds more leases than it has slots, and never gets one unless ready
   and not draining;
 - the queue never holds more than ``max_pending`` tickets; overflow raises ``QueueFull`` at once;
-- a ticket is dispatched at most once; cancel/expire remove it from the queue.
+- a ticket is dispatched at most once; cancel/expire remove it from the queue;
+- with a KV-aware scorer, a worker is only chosen when the ticket fits its KV headroom
+  (``WorkerView.fits``); a ticket whose prompt fits no worker's slot is refused up front
+  (``check_fits`` raises ``TooLarge``).
+
+Queue order is by effective priority (priority + aging, ``AdmissionQueue``). A queued ticket
+that is blocked only by KV headroom is passed by smaller ones until it has waited
+``aging_s``; from then on nothing else of its model is dispatched before it (no starvation
+of large requests).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from gateway.scheduling.lease import SlotLease
 from gateway.scheduling.queue import AdmissionQueue
 from gateway.scheduling.scorer import LeastLoaded, Scorer
 from gateway.scheduling.ticket import Ticket
-from gateway.scheduling.worker_view import WorkerView
+from gateway.scheduling.worker_view import WorkerLoad, WorkerView
 
 Dispatch = tuple[Ticket, SlotLease]
 
@@ -30,6 +38,19 @@ class QueueFull(Exception):
     Ollama answers this case with 503 ``server busy, please try again.  maximum pending
     requests exceeded`` (server/sched.go ``ErrMaxQueue``).
     """
+
+
+class TooLarge(Exception):
+    """The ticket's prompt estimate exceeds the per-slot context of every worker of its model.
+
+    Attributes: prompt_tokens (estimate), n_ctx (largest per-slot context, tokens).
+    Answered 400 before anything is forwarded (field case 4).
+    """
+
+    def __init__(self, prompt_tokens: int, n_ctx: int):
+        super().__init__(f"the prompt (about {prompt_tokens} tokens) exceeds the context "
+                         f"window of {n_ctx} tokens per request")
+        self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
 
 
 class Dispatcher:
@@ -52,13 +73,17 @@ class Dispatcher:
         self._order = 0
 
     # ---- fleet -------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, model: str, slots: int) -> WorkerView:
-        """Register a worker (not ready yet). Raises ValueError if the id exists or slots < 1."""
+    def add_worker(self, worker_id: str, model: str, slots: int, n_ctx: int = 0,
+                   kv_capacity: int = 0, speed: float = 1.0) -> WorkerView:
+        """Register a worker (not ready yet). ``n_ctx``: per-slot context (tokens, 0 unknown);
+        ``kv_capacity``: the worker's whole KV cache (tokens, ``-c``; 0 unknown); ``speed``:
+        relative throughput. Raises ValueError if the id exists or slots < 1."""
         if worker_id in self.workers:
             raise ValueError(f"worker {worker_id!r} already registered")
         if slots < 1:
             raise ValueError("slots must be >= 1")
-        w = WorkerView(id=worker_id, model=model, slots=slots, order=self._order)
+        w = WorkerView(id=worker_id, model=model, slots=slots, order=self._order, n_ctx=n_ctx,
+                       kv_capacity=kv_capacity, speed=speed)
         self._order += 1
         self.workers[worker_id] = w
         return w
@@ -86,27 +111,67 @@ class Dispatcher:
         self.workers[worker_id].slots = slots
         return self.pump()
 
+    def set_context(self, worker_id: str, n_ctx: int, kv_capacity: int | None = None
+                    ) -> list[Dispatch]:
+        """Per-slot context and whole-worker KV capacity (tokens) read back from the worker."""
+        w = self.workers[worker_id]
+        w.n_ctx = max(0, int(n_ctx))
+        if kv_capacity is not None:
+            w.kv_capacity = max(0, int(kv_capacity))
+        return self.pump()
+
+    def update_load(self, worker_id: str, load: WorkerLoad) -> list[Dispatch]:
+        """Polled telemetry for a worker (corrects scores; never changes lease counts)."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            return []
+        w.load = load
+        if load.n_ctx and not w.n_ctx:
+            w.n_ctx = load.n_ctx
+        return self.pump()
+
+    def set_speed(self, worker_id: str, speed: float) -> None:
+        """Relative throughput of a worker (1.0 = reference); must be > 0."""
+        if speed > 0:
+            self.workers[worker_id].speed = speed
+
     def serves(self, model: str) -> bool:
         return any(w.model == model for w in self.workers.values())
 
     # ---- requests ----------------------------------------------------------------------
-    def _candidates(self, model: str) -> list[WorkerView]:
-        return [w for w in self.workers.values() if w.accepts(model)]
+    def _candidates(self, ticket: Ticket) -> list[WorkerView]:
+        kv = getattr(self.scorer, "kv_aware", False)
+        return [w for w in self.workers.values()
+                if w.accepts(ticket.model) and (not kv or w.fits(ticket))]
 
     def _grant(self, ticket: Ticket, candidates: list[WorkerView], now: float) -> SlotLease:
-        worker = self.scorer.pick(candidates, ticket, now)
+        fleet = [w for w in self.workers.values()
+                 if w.model == ticket.model and w.ready and not w.draining]
+        worker = self.scorer.pick(candidates, ticket, now, fleet)
         assert worker.free > 0, "scorer picked a worker without a free slot"
         return SlotLease(worker, ticket, now, self._on_release)
+
+    def check_fits(self, ticket: Ticket) -> None:
+        """Raise ``TooLarge`` when the ticket's prompt estimate cannot fit the per-slot context
+        of any worker of its model (workers with unknown context never refuse)."""
+        if ticket.prompt_tokens <= 0:
+            return
+        ctxs = [w.n_ctx for w in self.workers.values() if w.model == ticket.model]
+        if not ctxs or any(c <= 0 for c in ctxs):
+            return
+        if ticket.prompt_tokens >= max(ctxs):
+            raise TooLarge(ticket.prompt_tokens, max(ctxs))
 
     def submit(self, ticket: Ticket) -> SlotLease | None:
         """Admit ``ticket``: a lease at once if a slot is free and nobody for that model waits
         ahead of it, else queue it (returns None). Raises ``QueueFull`` when the queue is at
         ``max_pending``.
         """
+        self.check_fits(ticket)
         now = self.clock()
         ticket.enqueued_at = now
         if not self.queue.has_model(ticket.model):
-            cands = self._candidates(ticket.model)
+            cands = self._candidates(ticket)
             if cands:
                 return self._grant(ticket, cands, now)
         if len(self.queue) >= self.max_pending:
@@ -135,15 +200,23 @@ class Dispatcher:
         if not len(self.queue):
             return out
         now = self.clock()
-        while True:
-            free_models = {w.model for w in self.workers.values() if w.free > 0}
+        blocked: set[str] = set()
+        free_models = {w.model for w in self.workers.values() if w.free > 0}
+        for t in self.queue.ordered(now):
             if not free_models:
-                return out
-            t = self.queue.best(now, lambda t: t.model in free_models)
-            if t is None:
-                return out
+                break
+            if t.model not in free_models:
+                continue
+            cands = self._candidates(t)
+            if not cands:  # free slots, but no KV headroom for this one
+                if now - t.enqueued_at >= self.queue.aging_s:
+                    blocked.add(t.model)  # waited long enough: nothing passes it
+                    free_models.discard(t.model)
+                continue
             self.queue.remove(t)
-            out.append((t, self._grant(t, self._candidates(t.model), now)))
+            out.append((t, self._grant(t, cands, now)))
+            free_models = {w.model for w in self.workers.values() if w.free > 0} - blocked
+        return out
 
     # ---- views -------------------------------------------------------------------------
     def in_flight(self) -> int:

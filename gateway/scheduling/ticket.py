@@ -16,7 +16,11 @@ class Ticket:
         request_id: the gateway's request id (``X-Request-ID`` or generated).
         model: full model name (``demo:latest``) the request targets.
         priority: class; higher dispatches first. Aging raises it while it waits.
-        est_tokens: the gateway's size estimate in tokens (prompt tokens + ``num_predict``), or 0 if unknown.
+        est_tokens: the gateway's size estimate in tokens: prompt tokens + the tokens it may
+            generate (``num_predict``, or a configured guess when unlimited); 0 if unknown.
+            This is what the request may occupy in its slot's KV cache.
+        prompt_tokens: estimated prompt tokens (0 if unknown); a prompt larger than every
+            worker's per-slot context is refused up front (``Dispatcher.check_fits``).
         prefix_key: hash of the shared prompt prefix (system prompt / conversation head), or None.
         enqueued_at: clock seconds when it was admitted (set by the dispatcher).
         queue_timeout_s: longest wait in the queue, seconds; None = no limit.
@@ -29,6 +33,7 @@ class Ticket:
     est_tokens: int = 0
     prefix_key: int | None = None
     queue_timeout_s: float | None = None
+    prompt_tokens: int = 0
     enqueued_at: float = 0.0
     seq: int = field(default_factory=lambda: next(_seq))
 

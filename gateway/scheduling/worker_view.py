@@ -1,8 +1,32 @@
-"""The scheduler's view of one worker: capacity, readiness and its live leases."""
+"""The scheduler's view of one worker: capacity, readiness, live leases and polled telemetry."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerLoad:
+    """What the last poll of a worker said (``workers.telemetry`` parses it).
+
+    Attributes:
+        at: clock seconds of the poll.
+        processing: slots with ``is_processing`` (or ``state != 0``) in ``/slots``.
+        kv_tokens: sum over processing slots of prompt + decoded tokens (``n_prompt_tokens`` +
+            ``next_token[0].n_decoded``), i.e. what they hold in KV now (tokens).
+        deferred: ``llamacpp:requests_deferred`` from ``/metrics`` (requests waiting inside the
+            worker; the gateway aims to keep it 0).
+        decode_tps: recent measured generation throughput of the whole worker (tokens/s), from
+            the ``tokens_predicted_total`` delta over the poll interval; 0 if unknown.
+        n_ctx: per-slot context read from ``/slots`` (tokens), 0 if unknown.
+    """
+
+    at: float = 0.0
+    processing: int = 0
+    kv_tokens: int = 0
+    deferred: int = 0
+    decode_tps: float = 0.0
+    n_ctx: int = 0
 
 
 @dataclass(eq=False)
@@ -11,6 +35,9 @@ class WorkerView:
 
     ``busy`` is derived from the set of live leases, so it can never drift from what was
     actually handed out: it is never negative, and dispatch never lets it exceed ``slots``.
+    Polled telemetry (``load``) only *corrects scores*: ``phantom`` counts slots the worker
+    reports busy that the gateway holds no lease for (e.g. a cancelled request still winding
+    down); it never changes ``free``.
 
     Attributes:
         id: worker id, e.g. ``demo-gpu0``.
@@ -19,6 +46,9 @@ class WorkerView:
         ready: True once ``/health`` answered 200 and until it exits or stalls.
         draining: True while an operator or a reload drains it: no new leases.
         order: position in the fleet, for stable tie-breaking.
+        n_ctx: per-slot context (tokens), 0 = unknown (no per-slot check).
+        kv_capacity: KV cells of the whole worker (tokens, llama-server ``-c``); 0 = unknown.
+        speed: relative throughput (1.0 = fleet reference); mixed GPU models differ.
     """
 
     id: str
@@ -27,7 +57,11 @@ class WorkerView:
     ready: bool = False
     draining: bool = False
     order: int = 0
+    n_ctx: int = 0
+    kv_capacity: int = 0
+    speed: float = 1.0
     leases: set = field(default_factory=set)
+    load: WorkerLoad = field(default_factory=WorkerLoad)
 
     @property
     def busy(self) -> int:
@@ -40,6 +74,45 @@ class WorkerView:
         if not self.ready or self.draining:
             return 0
         return max(0, self.slots - len(self.leases))
+
+    @property
+    def phantom(self) -> int:
+        """Slots the last poll saw busy beyond the gateway's leases (0..free)."""
+        return max(0, min(self.slots - self.busy, self.load.processing - self.busy))
+
+    @property
+    def kv_reserved(self) -> int:
+        """Tokens the live leases may occupy (gateway estimate, each capped at ``n_ctx``)."""
+        cap = self.n_ctx or None
+        return sum(min(l.ticket.est_tokens, cap) if cap else l.ticket.est_tokens
+                   for l in self.leases)
+
+    @property
+    def kv_used(self) -> int:
+        """KV tokens considered in use: the larger of own reservations and the polled fill."""
+        return max(self.kv_reserved, self.load.kv_tokens)
+
+    @property
+    def kv_free(self) -> int | None:
+        """KV tokens still available (None when capacity is unknown)."""
+        if not self.kv_capacity:
+            return None
+        return max(0, self.kv_capacity - self.kv_used)
+
+    def fits(self, ticket) -> bool:
+        """Whether the ticket's size estimate fits this worker's KV headroom now.
+
+        Per slot: the prompt must fit ``n_ctx`` (generation past it stops with ``length``).
+        Whole worker: ``min(est_tokens, n_ctx)`` must fit ``kv_free`` (matters with
+        ``--kv-unified``, where slots share one cache; with split KV a free slot always has
+        its own ``n_ctx``)."""
+        if self.n_ctx and ticket.prompt_tokens >= self.n_ctx:
+            return False
+        kf = self.kv_free
+        if kf is None:
+            return True
+        need = min(ticket.est_tokens, self.n_ctx) if self.n_ctx else ticket.est_tokens
+        return need <= kf
 
     def accepts(self, model: str) -> bool:
         """Whether a request for ``model`` could be leased a slot here right now."""

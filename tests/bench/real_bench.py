@@ -1,0 +1,164 @@
+"""Benchmarks on real llama-server workers (CPU here). Not part of pytest; run by hand:
+
+    python tests/bench/real_bench.py [--out docs/bench_real.md]
+
+1. Gateway overhead: the same streaming requests straight to one worker and through the
+   gateway (in the same run): added TTFT p50/p99; throughput at saturation (8 concurrent
+   clients × N requests) direct to both workers split by hand vs through the gateway.
+2. Prefix affinity: a shared-system-prompt workload through the gateway with policy
+   least_loaded+affinity vs round_robin vs least_loaded without affinity, counted by the
+   workers' own ``llamacpp:prompt_tokens_cached_total``.
+"""
+
+import argparse
+import concurrent.futures as cf
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import base_config, free_port, start_gateway, worker_key  # noqa: E402
+from workers.telemetry import parse_metrics  # noqa: E402
+
+
+def pct(xs, q):
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
+def ttft_stream(client, url, body, headers=None):
+    t0 = time.perf_counter()
+    with client.stream("POST", url, json=body, headers=headers or {}) as r:
+        first = None
+        n = 0
+        for line in r.iter_lines():
+            if not line:
+                continue
+            if first is None:
+                first = time.perf_counter() - t0
+            n += 1
+    return first, time.perf_counter() - t0
+
+
+def overhead(gw, n=200):
+    w = gw.workers()[0]
+    direct = f"http://127.0.0.1:{w['port']}/completion"
+    key = {"Authorization": f"Bearer {worker_key(w['pid'])}"}
+    dbody = {"prompt": "hello there", "n_predict": 16, "stream": True}
+    gbody = {"model": "demo", "prompt": "hello there", "raw": True,
+             "options": {"num_predict": 16}}
+    d, g = [], []
+    with httpx.Client(timeout=60) as c:
+        for i in range(n):  # interleaved, same run
+            d.append(ttft_stream(c, direct, dbody, key)[0])
+            g.append(ttft_stream(c, gw.url + "/api/generate", gbody)[0])
+    return d, g
+
+
+def saturation(gw, clients=8, per_client=12, n_predict=400):
+    ws = gw.workers()
+    directs = [(f"http://127.0.0.1:{w['port']}/completion",
+                {"Authorization": f"Bearer {worker_key(w['pid'])}"}) for w in ws]
+
+    def run(kind, i):
+        toks = 0
+        with httpx.Client(timeout=300) as c:
+            for _ in range(per_client):
+                if kind == "direct":
+                    url, h = directs[i % len(directs)]
+                    r = c.post(url, json={"prompt": "story", "n_predict": n_predict}, headers=h)
+                    toks += r.json()["tokens_predicted"]
+                else:
+                    r = c.post(gw.url + "/api/generate", json={
+                        "model": "demo", "prompt": "story", "raw": True, "stream": False,
+                        "options": {"num_predict": n_predict}})
+                    toks += r.json()["eval_count"]
+        return toks
+
+    out = {}
+    for kind in ("direct", "gateway", "direct", "gateway"):
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(clients) as ex:
+            toks = sum(ex.map(lambda i: run(kind, i), range(clients)))
+        out.setdefault(kind, []).append(toks / (time.perf_counter() - t0))
+    return {k: max(v) for k, v in out.items()}
+
+
+def cached_total(gw):
+    tot = 0.0
+    for w in gw.workers():
+        r = httpx.get(f"http://127.0.0.1:{w['port']}/metrics",
+                      headers={"Authorization": f"Bearer {worker_key(w['pid'])}"})
+        tot += parse_metrics(r.text).get("prompt_tokens_cached_total", 0.0)
+    return tot
+
+
+def prefix_run(tmp, policy, affinity, n=120, clients=4):
+    cfg = base_config(free_port(), scheduler={"policy": policy, "prefix_affinity": affinity})
+    cfg["models"][0].update(slots=2, context=2048)
+    gw = start_gateway(tmp, cfg)
+    try:
+        rng = random.Random(5)
+        systems = [f"System prompt {k}: " + ("lorem ipsum dolor sit amet " * 30) + str(k) * 20
+                   for k in range(8)]
+        bodies = [{"model": "demo", "stream": False, "options": {"num_predict": 8},
+                   "messages": [{"role": "system", "content": rng.choice(systems)},
+                                {"role": "user", "content": f"question {i}"}]} for i in range(n)]
+        before = cached_total(gw)
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(clients) as ex, httpx.Client(timeout=120) as c:
+            rs = list(ex.map(lambda b: c.post(gw.url + "/api/chat", json=b), bodies))
+        wall = time.perf_counter() - t0
+        assert all(r.status_code == 200 for r in rs)
+        prompt = sum(r.json()["prompt_eval_count"] for r in rs)
+        return cached_total(gw) - before, prompt, n / wall
+    finally:
+        gw.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="docs/bench_real.md")
+    a = ap.parse_args()
+    tmp = Path("/tmp/llama-gateway-bench")
+    tmp.mkdir(exist_ok=True)
+    lines = []
+    gw = start_gateway(tmp, base_config(free_port()))
+    try:
+        d, g = overhead(gw)
+        sat = saturation(gw)
+    finally:
+        gw.stop()
+    add50 = (pct(g, 50) - pct(d, 50)) * 1000
+    add99 = (pct(g, 99) - pct(d, 99)) * 1000
+    lines += ["### Gateway overhead (2 CPU workers × 2 slots, demo model, same run)", "",
+              "| measure | direct to llama-server | through gateway | difference |",
+              "|---|---:|---:|---:|",
+              f"| TTFT p50 (ms), 200 sequential streams, 16 tokens | {pct(d, 50)*1000:.2f} | {pct(g, 50)*1000:.2f} | {add50:+.2f} |",
+              f"| TTFT p99 (ms) | {pct(d, 99)*1000:.2f} | {pct(g, 99)*1000:.2f} | {add99:+.2f} |",
+              f"| TTFT mean (ms) | {statistics.mean(d)*1000:.2f} | {statistics.mean(g)*1000:.2f} | {(statistics.mean(g)-statistics.mean(d))*1000:+.2f} |",
+              f"| saturated throughput (tokens/s), 8 clients × 12 × 400 tokens | {sat['direct']:,.0f} | {sat['gateway']:,.0f} | {sat['gateway']/sat['direct']*100:.1f} % of direct |",
+              ""]
+    lines += ["### Prefix affinity on real workers (2 workers × 2 slots; 8 system prompts of ~860 bytes, "
+              "120 chats, 4 clients; cached tokens from the workers' `llamacpp:prompt_tokens_cached_total`)", "",
+              "| policy | cached prompt tokens | prompt tokens (responses) | requests/s |", "|---|---:|---:|---:|"]
+    res = {}
+    for label, pol, aff in [("least_loaded + affinity", "least_loaded", True),
+                            ("least_loaded, no affinity", "least_loaded", False),
+                            ("round_robin", "round_robin", False)]:
+        res[label] = prefix_run(tmp, pol, aff)
+        c, p, rps = res[label]
+        lines.append(f"| {label} | {c:,.0f} | {p:,} | {rps:.1f} |")
+    md = "\n".join(lines) + "\n"
+    Path(a.out).write_text(md)
+    sys.stdout.write(md)
+
+
+if __name__ == "__main__":
+    main()

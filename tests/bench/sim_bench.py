@@ -1,0 +1,33 @@
+"""Simulated routing quality at 4 and 8 GPUs (not part of pytest; run by hand).
+
+    python tests/bench/sim_bench.py [--duration 120] [--out docs/bench_sim.md] [--png docs/bench_sim.png]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gateway.simulator.report import markdown, plot, run_all  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--gpus", default="4,8")
+    ap.add_argument("--out", default="docs/bench_sim.md")
+    ap.add_argument("--png", default="docs/bench_sim.png")
+    a = ap.parse_args()
+    t0 = time.time()
+    rows = run_all(tuple(int(x) for x in a.gpus.split(",")), a.duration)
+    md = markdown(rows)
+    Path(a.out).write_text(md)
+    plot(rows, a.png)
+    sys.stdout.write(md + f"\n({time.time() - t0:.0f} s wall)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Load-aware scheduling on real workers through a real gateway (issue 4).
+
+Field cases 1 (queue bound), 3 (KV exhausted under parallel load), 4 (prompt that cannot fit
+a slot → 400 up front), 7 and 8 (client disconnects free the worker's slot), 9 (one model on
+several workers, all busy), plus priority order, queue timeout and a queued client leaving.
+Each slot state is read from the worker's own ``/slots`` (``GatewayProc.slots``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import base_config, free_port, start_gateway
+
+pytestmark = pytest.mark.slow
+
+LONG = {"model": "demo", "prompt": "tell me a long story", "raw": True,
+        "options": {"num_predict": 3500}}
+
+
+def _cfg(**over):
+    cfg = base_config(free_port(), **over)
+    cfg["models"][0]["context"] = 4096
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def gw2(tmp_path_factory):
+    """2 workers × 2 slots, queue of 2."""
+    gp = start_gateway(tmp_path_factory.mktemp("gw2"), _cfg(queue={"max_pending": 2}))
+    yield gp
+    gp.stop()
+
+
+@pytest.fixture(scope="module")
+def gw1(tmp_path_factory):
+    """1 worker × 1 slot (-np 1), queue timeout 2 s."""
+    cfg = _cfg(queue={"timeout_s": 2})
+    cfg["models"][0].update(slots=1, cpu=1)
+    gp = start_gateway(tmp_path_factory.mktemp("gw1"), cfg)
+    yield gp
+    gp.stop()
+
+
+class Stream:
+    """A streaming /api/generate client that can be killed mid-stream."""
+
+    def __init__(self, gw, body=LONG, headers=None):
+        self.client = httpx.Client(timeout=60)
+        self.cm = self.client.stream("POST", gw.url + "/api/generate", json=body,
+                                     headers=headers or {})
+        self.resp = self.cm.__enter__()
+        self.lines = self.resp.iter_lines()
+
+    def first(self, n=1):
+        return [next(self.lines) for _ in range(n)]
+
+    def kill(self):
+        self.client.close()
+
+
+def busy_per_worker(gw) -> dict[str, int]:
+    return {w["id"]: sum(1 for s in gw.slots(w) if s.get("is_processing")) for w in gw.workers()}
+
+
+def gateway_state(gw) -> dict:
+    return httpx.get(gw.url + "/gateway/api/workers", timeout=5).json()
+
+
+def wait_until(pred, timeout=2.0, step=0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    return pred()
+
+
+def test_spread_then_queue_bound_then_disconnects_free_slots(gw2):
+    """Field cases 9, 1, 8, and a queued client leaving the queue at once."""
+    streams = [Stream(gw2) for _ in range(2)]
+    for s in streams:
+        s.first()
+    # two long generations: one per worker, not two on one
+    assert sorted(busy_per_worker(gw2).values()) == [1, 1]
+    streams += [Stream(gw2) for _ in range(2)]
+    for s in streams[2:]:
+        s.first()
+    assert sorted(busy_per_worker(gw2).values()) == [2, 2]
+    # 2 more wait in the gateway (the queue bound), 2 beyond it get 503 at once
+    with cf.ThreadPoolExecutor(2) as ex:
+        queued = [ex.submit(Stream, gw2) for _ in range(2)]
+        assert wait_until(lambda: gateway_state(gw2)["queue"]["depth"] == 2)
+        t0 = time.monotonic()
+        over = [httpx.post(gw2.url + "/api/generate", json={**LONG, "stream": False}, timeout=30)
+                for _ in range(2)]
+        assert time.monotonic() - t0 < 5
+        for r in over:
+            assert r.status_code == 503 and r.headers["Retry-After"] == "2"
+            assert r.headers["content-type"].startswith("application/json")
+            assert "maximum pending requests exceeded" in r.json()["error"]
+        # the running four leave (client disconnects): the two queued ones get their slots
+        for s in streams:
+            s.kill()
+        queued = [q.result(timeout=10) for q in queued]  # headers come with the first token
+    for q in queued:
+        assert q.first()
+        q.kill()
+    # every slot is free again, seen by the workers themselves, within 2 s
+    assert wait_until(lambda: sum(busy_per_worker(gw2).values()) == 0), busy_per_worker(gw2)
+    st = gateway_state(gw2)
+    assert all(w["busy"] == 0 for w in st["workers"]) and st["queue"]["depth"] == 0
+
+
+def _post_in_thread(url, body, timeout, headers=None):
+    out = {}
+
+    def run():
+        try:
+            out["resp"] = httpx.post(url, json=body, timeout=timeout, headers=headers or {})
+        except httpx.HTTPError as e:
+            out["error"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th, out
+
+
+def test_queued_client_disconnect_leaves_queue_at_once(gw1):
+    blocker = Stream(gw1)
+    blocker.first()
+    th, out = _post_in_thread(gw1.url + "/api/generate", {**LONG, "stream": False}, timeout=0.8)
+    assert wait_until(lambda: gateway_state(gw1)["queue"]["depth"] == 1, 1.0)
+    th.join()
+    assert isinstance(out.get("error"), httpx.TimeoutException)  # the client gave up
+    # gone from the gateway's queue within a poll step of the client leaving
+    assert wait_until(lambda: gateway_state(gw1)["queue"]["depth"] == 0, 0.5)
+    blocker.kill()
+    w = gw1.workers()[0]
+    assert wait_until(lambda: not any(s.get("is_processing") for s in gw1.slots(w)))
+
+
+def test_single_slot_disconnect_then_next_request_runs(gw1):
+    """Field case 8: -np 1, stream a long chat, kill the client after 5 tokens, next request
+    gets the slot (the upstream request was closed, so the worker freed its slot)."""
+    c = httpx.Client(timeout=60)
+    with c.stream("POST", gw1.url + "/api/chat", json={
+            "model": "demo", "messages": [{"role": "user", "content": "go on"}],
+            "options": {"num_predict": 3500}}) as r:
+        lines = r.iter_lines()
+        for _ in range(5):
+            next(lines)
+        c.close()
+    r2 = httpx.post(gw1.url + "/api/generate", json={
+        "model": "demo", "prompt": "hi", "raw": True, "stream": False,
+        "options": {"num_predict": 5}}, timeout=30)
+    assert r2.status_code == 200 and r2.json()["eval_count"] == 5
+
+
+def test_non_streaming_disconnect_frees_slot(gw1):
+    """Field case 7: stream:false, the client closes after 1 s: the worker's slot is idle
+    within 2 s and the gateway's occupancy is back to 0."""
+    w = gw1.workers()[0]
+    th, out = _post_in_thread(gw1.url + "/api/generate", {**LONG, "stream": False,
+                                                         "options": {"num_predict": 4000}}, 1.0)
+    assert wait_until(lambda: any(s.get("is_processing") for s in gw1.slots(w)), 1.0)
+    th.join()
+    assert "error" in out
+    t_gone = time.monotonic()
+    assert wait_until(lambda: not any(s.get("is_processing") for s in gw1.slots(w)), 2.0)
+    assert time.monotonic() - t_gone <= 2.0
+    assert gateway_state(gw1)["workers"][0]["busy"] == 0
+
+
+def test_priority_then_queue_timeout(gw1):
+    """X-Priority: a later high-priority request is served before an earlier low one; a request
+    that waits longer than queue.timeout_s gets 503 JSON."""
+    blocker = Stream(gw1)
+    blocker.first()
+    short = {"model": "demo", "prompt": "hi", "raw": True, "stream": False,
+             "options": {"num_predict": 5}}
+    done = {}
+
+    def run(name, prio):
+        r = httpx.post(gw1.url + "/api/generate", json=short, timeout=30,
+                       headers={"X-Priority": str(prio)})
+        done[name] = (time.monotonic(), r.status_code)
+
+    low = threading.Thread(target=run, args=("low", 0))
+    low.start()
+    assert wait_until(lambda: gateway_state(gw1)["queue"]["depth"] == 1, 1.0)
+    high = threading.Thread(target=run, args=("high", 5))
+    high.start()
+    assert wait_until(lambda: gateway_state(gw1)["queue"]["depth"] == 2, 1.0)
+    blocker.kill()
+    low.join()
+    high.join()
+    assert done["low"][1] == done["high"][1] == 200
+    assert done["high"][0] < done["low"][0]
+    # queue timeout (2 s in this gateway)
+    blocker = Stream(gw1)
+    blocker.first()
+    t0 = time.monotonic()
+    r = httpx.post(gw1.url + "/api/generate", json=short, timeout=30)
+    assert r.status_code == 503 and r.headers["content-type"].startswith("application/json")
+    assert "timed out waiting" in r.json()["error"] and time.monotonic() - t0 >= 1.9
+    r = httpx.post(gw1.url + "/v1/chat/completions", timeout=30, json={
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    blocker.kill()
+    bad = httpx.post(gw1.url + "/api/generate", json=short, headers={"X-Priority": "high"})
+    assert bad.status_code == 400 and "X-Priority" in bad.json()["error"]
+
+
+def test_prompt_that_cannot_fit_is_refused_up_front(gateway_factory):
+    """Field case 4: 2 slots of 512: a prompt far beyond 512 tokens → 400 in each API's shape
+    before anything reaches a worker (the workers' prompt counters do not move)."""
+    cfg = base_config(free_port())
+    cfg["models"][0]["context"] = 512
+    gw = gateway_factory(cfg)
+    big = "the quick brown fox " * 200  # ~4000 bytes; the demo tokenizer: ~2 bytes/token
+    before = [gw.slots(w) for w in gw.workers()]
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": big}, timeout=30)
+    assert r.status_code == 400 and "exceeds the context window of 512" in r.json()["error"]
+    r = httpx.post(gw.url + "/api/chat", json={"model": "demo", "stream": True,
+                   "messages": [{"role": "user", "content": big}]}, timeout=30)
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert "error" in r.json()
+    r = httpx.post(gw.url + "/v1/chat/completions", json={
+        "model": "demo", "messages": [{"role": "user", "content": big}]}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert [gw.slots(w) for w in gw.workers()] == before  # no slot ever took a task
+    ok = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "hello", "raw": True,
+                    "stream": False, "options": {"num_predict": 5}}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_kv_headroom_routing_unified_cache(gateway_factory):
+    """Field case 3: one worker, -np 4 sharing a unified KV cache of 1024 tokens; four requests
+    of ~400 tokens each. Straight to the worker all four fail ("Context size has been
+    exceeded", checked by hand on this build); through the gateway at most two run at once
+    and all four complete."""
+    cfg = base_config(free_port())
+    cfg["models"][0].update(slots=4, context=256, cpu=1, args=["--kv-unified"])
+    gw = gateway_factory(cfg)
+    w = gw.workers()[0]
+    body = {"model": "demo", "prompt": "hi", "raw": True, "stream": False,
+            "options": {"num_predict": 400}}
+    stop, peak = threading.Event(), [0]
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], sum(1 for s in gw.slots(w) if s.get("is_processing")))
+            time.sleep(0.01)
+
+    th = threading.Thread(target=watch)
+    th.start()
+    try:
+        with cf.ThreadPoolExecutor(4) as ex:
+            rs = list(ex.map(lambda _: httpx.post(gw.url + "/api/generate", json=body, timeout=120),
+                             range(4)))
+    finally:
+        stop.set()
+        th.join()
+    assert [r.status_code for r in rs] == [200] * 4, [r.text[:200] for r in rs]
+    assert all(r.json()["eval_count"] == 400 for r in rs)
+    assert 1 <= peak[0] <= 2

@@ -1,0 +1,127 @@
+"""Property tests of the dispatcher (hypothesis): random interleavings of submit, release,
+cancel, expire, polled load and readiness changes keep the invariants."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.scheduling import Dispatcher, QueueFull, Ticket, WorkerLoad, make_scorer
+from gateway.scheduling.scorer import POLICIES
+
+ops = st.lists(st.tuples(st.sampled_from(["submit", "release", "cancel", "tick", "load",
+                                          "down", "up"]),
+                         st.integers(0, 1000), st.integers(0, 3)), max_size=120)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, policy=st.sampled_from(POLICIES), slots=st.lists(st.integers(1, 3), min_size=1,
+       max_size=3), max_pending=st.integers(0, 6), unified=st.booleans())
+def test_invariants(ops, policy, slots, max_pending, unified):
+    clock = Clock()
+    d = Dispatcher(clock, max_pending=max_pending, scorer=make_scorer(policy, seed=0), aging_s=1.0)
+    for i, s in enumerate(slots):
+        d.add_worker(f"w{i}", "m", s, n_ctx=400, kv_capacity=400 if unified else 400 * s)
+        d.set_ready(f"w{i}", True)
+    live, queued, outcome = [], set(), {}
+    seen_dispatch = set()
+
+    def took(dispatches):
+        for tk, lease in dispatches:
+            assert tk in queued, "dispatched a ticket that was not queued"
+            assert tk.seq not in seen_dispatch, "dispatched twice"
+            seen_dispatch.add(tk.seq)
+            queued.discard(tk)
+            outcome[tk.seq] = "dispatched"
+            live.append(lease)
+
+    n = 0
+    for op, a, b in ops:
+        if op == "submit":
+            n += 1
+            tk = Ticket(request_id=str(n), model="m", priority=b, est_tokens=a % 450,
+                        queue_timeout_s=5.0 if a % 2 else None)
+            try:
+                lease = d.submit(tk)
+            except QueueFull:
+                outcome[tk.seq] = "rejected"
+            else:
+                if lease is None:
+                    queued.add(tk)
+                else:
+                    seen_dispatch.add(tk.seq)
+                    outcome[tk.seq] = "dispatched"
+                    live.append(lease)
+        elif op == "release" and live:
+            took(live.pop(a % len(live)).release())
+        elif op == "cancel" and queued:
+            tk = sorted(queued, key=lambda x: x.seq)[a % len(queued)]
+            assert d.cancel(tk)
+            queued.discard(tk)
+            outcome[tk.seq] = "cancelled"
+        elif op == "tick":
+            clock.t += b + 0.5
+            for tk in d.expire():
+                queued.discard(tk)
+                outcome[tk.seq] = "expired"
+            took(d.pump())
+        elif op == "load":
+            w = f"w{b % len(slots)}"
+            took(d.update_load(w, WorkerLoad(at=clock.t, processing=a % 5, kv_tokens=a % 500,
+                                             deferred=a % 2)))
+        elif op in ("down", "up"):
+            took(d.set_ready(f"w{b % len(slots)}", op == "up"))
+        # invariants after every step
+        for w in d.workers.values():
+            assert 0 <= w.busy <= w.slots
+            assert 0 <= w.free <= w.slots
+            assert 0 <= w.phantom <= w.slots
+        assert len(d.queue) <= max_pending
+        assert set(d.queue) == queued
+    # drain: bring everything up, release all, let time pass -> every admitted ticket ends
+    for i in range(len(slots)):
+        took(d.set_ready(f"w{i}", True))
+        took(d.update_load(f"w{i}", WorkerLoad()))
+    for _ in range(10_000):
+        if not live and not queued:
+            break
+        if live:
+            took(live.pop(0).release())
+        else:
+            clock.t += 1.0
+            for tk in d.expire():
+                queued.discard(tk)
+                outcome[tk.seq] = "expired"
+            took(d.pump())
+    assert not queued, "a ticket was left in the queue with every slot free"
+    assert all(w.busy == 0 for w in d.workers.values())
+    assert len(outcome) == n
+
+
+@settings(max_examples=60, deadline=None)
+@given(prios=st.lists(st.integers(0, 5), min_size=5, max_size=40))
+def test_aging_no_starvation(prios):
+    """A priority-0 ticket under a steady stream of higher-priority arrivals is served within
+    (max priority + 1) * aging_s of waiting."""
+    clock = Clock()
+    d = Dispatcher(clock, max_pending=1000, aging_s=1.0)
+    d.add_worker("w0", "m", 1)
+    d.set_ready("w0", True)
+    lease = d.submit(Ticket("busy", "m"))
+    low = Ticket("low", "m", priority=0)
+    assert d.submit(low) is None
+    served_at = None
+    for i, p in enumerate(prios * 10):
+        clock.t += 0.25
+        d.submit(Ticket(f"h{i}", "m", priority=max(p, 1)))
+        (tk, lease), = lease.release()
+        if tk is low:
+            served_at = clock.t
+            break
+    assert served_at is not None and served_at <= (max(prios + [1]) + 1) * 1.0 + 0.5

@@ -1,0 +1,158 @@
+"""Telemetry parsing (both /slots shapes, /metrics, missing fields) and the poller against a
+real llama-server worker. NVML is faked (no GPU here): ``FakeNvml`` is named as such."""
+
+import asyncio
+import sys
+import types
+
+import aiohttp
+import pytest
+
+from gateway.scheduling import WorkerLoad
+from workers import gpu
+from workers.telemetry import (Progress, WorkerPoller, build_load, parse_metrics, parse_slot,
+                               parse_slots)
+
+CURRENT = [  # shape of this build (0c1e570), captured from a running worker
+    {"id": 0, "n_ctx": 2048, "speculative": False, "is_processing": False},
+    {"id": 1, "n_ctx": 2048, "is_processing": True, "id_task": 1, "n_prompt_tokens": 771,
+     "n_prompt_tokens_processed": 5, "n_prompt_tokens_cache": 0,
+     "next_token": [{"has_next_token": True, "n_remain": 2234, "n_decoded": 766}]},
+]
+OLDER = [  # older builds: integer state, next_token an object, n_prompt_tokens prompt only
+    {"id": 0, "n_ctx": 1024, "state": 1, "n_prompt_tokens": 100, "n_prompt_tokens_processed": 60,
+     "n_prompt_tokens_cache": 40, "next_token": {"n_decoded": 25}},
+    {"id": 1, "n_ctx": 1024, "state": 0},
+    {"id": 2},  # missing everything
+]
+METRICS = """# HELP llamacpp:prompt_tokens_total x
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 5
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 40
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 1000
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 2
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+"""
+
+
+def test_current_shape():
+    s = parse_slots(CURRENT)
+    assert [x.busy for x in s] == [False, True]
+    assert s[1].kv_tokens == 771 and s[1].n_decoded == 766 and s[1].n_ctx == 2048
+    assert s[0].kv_tokens == 0
+
+
+def test_older_shape_and_missing_fields():
+    s = parse_slots(OLDER)
+    assert [x.busy for x in s] == [True, False, False]
+    assert s[0].kv_tokens == 60 + 40 + 25  # prompt (processed + cached) + decoded
+    assert s[2].n_ctx == 0 and s[2].kv_tokens == 0
+    assert parse_slots({"error": "x"}) == [] and parse_slots(None) == []
+    assert parse_slot({"id": "x", "is_processing": True, "next_token": []}).kv_tokens == 0
+
+
+def test_metrics_and_load():
+    m = parse_metrics(METRICS)
+    assert m["requests_deferred"] == 2 and m["prompt_tokens_cached_total"] == 40
+    assert parse_metrics("garbage {{{") == {} or isinstance(parse_metrics("garbage {{{"), dict)
+    p = Progress()
+    load = build_load(10.0, parse_slots(CURRENT), m, p)
+    assert load == WorkerLoad(at=10.0, processing=1, kv_tokens=771, deferred=2, decode_tps=0.0,
+                              n_ctx=2048)
+    later = [dict(CURRENT[0]), dict(CURRENT[1], next_token=[{"n_decoded": 866}])]
+    load2 = build_load(10.5, parse_slots(later), m, p)
+    assert load2.decode_tps == pytest.approx(200.0)  # 100 tokens in 0.5 s
+
+
+class FakeNvml(types.ModuleType):
+    """A named fake of pynvml for one GPU (no NVIDIA driver on this machine)."""
+
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self):
+        super().__init__("pynvml")
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return types.SimpleNamespace(used=3 << 30, total=24 << 30)
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return types.SimpleNamespace(gpu=87)
+
+    def nvmlDeviceGetName(self, h):
+        return b"Fake GPU"
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        return 61
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 250_000
+
+
+def test_gpu_stats_with_fake_nvml(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    monkeypatch.setattr(gpu, "_nvml_ok", None)
+    stats = gpu.read_gpu_stats()
+    assert stats[0].util_percent == 87 and stats[0].power_w == 250.0
+    assert stats[0].memory_free_bytes == 21 << 30 and stats[0].name == "Fake GPU"
+
+
+@pytest.mark.slow
+async def test_poller_against_real_worker(tmp_path):
+    """A real llama-server with --api-key: the poller authenticates, parses, and a request in
+    flight shows as one processing slot with KV tokens; a wrong key fails without raising."""
+    from tests.conftest import free_port
+    from workers.demo_model import ensure_demo_model
+    from workers.provision import ensure_llama_server
+
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        str(ensure_llama_server(None, "cpu")), "-m", str(ensure_demo_model()), "--port", str(port),
+        "-np", "2", "-c", "2048", "-t", "1", "--metrics", "--api-key", "k1",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    ep = types.SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key="k1")
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(100):
+                try:
+                    async with s.get(ep.url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+            samples = []
+            p = WorkerPoller("w", lambda: ep, samples.append, interval_s=0.05)
+            first = await p.poll_once(s)
+            assert first.load.processing == 0 and first.load.n_ctx == 1024
+            gen = asyncio.create_task(s.post(ep.url + "/completion", json={
+                "prompt": "hi", "n_predict": 3000}, headers={"Authorization": "Bearer k1"}))
+            busy = None
+            for _ in range(100):
+                smp = await p.poll_once(s)
+                if smp.load.processing == 1 and smp.load.kv_tokens > 10:
+                    busy = smp
+                    break
+                await asyncio.sleep(0.02)
+            assert busy is not None, "in-flight request never seen in /slots"
+            assert "tokens_predicted_total" in busy.metrics
+            (await gen).close()
+            bad = WorkerPoller("w", lambda: types.SimpleNamespace(url=ep.url, api_key="nope"),
+                               samples.append)
+            smp = await bad.poll_once(s)
+            assert smp is None or smp.slots == []
+    finally:
+        proc.terminate()
+        await proc.wait()
