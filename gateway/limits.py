@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.api.errors import ApiError
+from gateway.api.errors import ApiError, context_overflow
 from gateway.logs import get_logger
 
 log = get_logger("gateway.limits")
@@ -100,8 +100,7 @@ async def check_prompt_length(gw, body: dict) -> None:
         return
     n = await _count_tokens(gw, entry.name, text)
     if n is not None and n >= ctx:
-        raise ApiError(400, f"the input length ({n} tokens) exceeds the context length of a "
-                            f"slot ({ctx} tokens)")
+        raise ApiError(400, context_overflow(n, ctx))
 
 
 async def _count_tokens(gw, model: str, text: str) -> int | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from gateway.texts import CONTEXT_OVERFLOW_MESSAGE, context_overflow  # noqa: F401 (re-exported)
+
 # Ollama server/sched.go ErrMaxQueue: note the two spaces after the period.
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from gateway.api.errors import ApiError
+from gateway.api.errors import CONTEXT_OVERFLOW_MESSAGE, ApiError
 
 # api/types.go DefaultOptions (the ones Ollama always sends to its runner).
 OLLAMA_DEFAULTS: dict = {
@@ -34,9 +34,6 @@ _BOOL = {"use_mmap", "numa", "penalize_newline"}
 _PROCESS_LEVEL = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap",
                   "draft_num_predict"}
 # Ollama runner text for a prompt that does not fit (context shift off), shared/reference A10.
-CONTEXT_OVERFLOW_MESSAGE = ("the prompt is longer than the context length currently available to the "
-                            "model; shorten the prompt, adjust the context length in settings, or use "
-                            "a model with a longer context length")
 # llama-server field name for each forwarded option.
 _RENAME = {"num_keep": "n_keep", "num_predict": "n_predict"}
 

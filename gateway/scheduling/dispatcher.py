@@ -28,6 +28,7 @@ from gateway.scheduling.queue import AdmissionQueue
 from gateway.scheduling.scorer import LeastLoaded, Scorer
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.worker_view import WorkerLoad, WorkerView
+from gateway.texts import context_overflow
 
 Dispatch = tuple[Ticket, SlotLease]
 
@@ -48,8 +49,7 @@ class TooLarge(Exception):
     """
 
     def __init__(self, prompt_tokens: int, n_ctx: int):
-        super().__init__(f"the prompt (about {prompt_tokens} tokens) exceeds the context "
-                         f"window of {n_ctx} tokens per request")
+        super().__init__(context_overflow(prompt_tokens, n_ctx, approx=True))
         self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
 
 

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
 from tests.conftest import base_config, free_port
 from tests.e2e.test_watchdog import wait_for
 
@@ -59,7 +60,7 @@ def test_prompt_longer_than_slot_context_400(gateway_factory):
         r = httpx.post(gw.url + path, json=body, timeout=30)
         assert r.status_code == 400, (path, r.text)
         msg = r.json()["error"] if shape == "ollama" else r.json()["error"]["message"]
-        assert "exceeds the context length of a slot (256 tokens)" in msg
+        assert "context per slot: 256 tokens)" in msg and msg.startswith(CONTEXT_OVERFLOW_MESSAGE)
     assert gw.workers()[0]["busy"] == 0
     r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "short", "stream": False,
                                                    "options": {"num_predict": 4}}, timeout=30)

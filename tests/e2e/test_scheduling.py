@@ -227,7 +227,7 @@ def test_prompt_that_cannot_fit_is_refused_up_front(gateway_factory):
     big = "the quick brown fox " * 200  # ~4000 bytes; the demo tokenizer: ~2 bytes/token
     before = [gw.slots(w) for w in gw.workers()]
     r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": big}, timeout=30)
-    assert r.status_code == 400 and "exceeds the context window of 512" in r.json()["error"]
+    assert r.status_code == 400 and "context per slot: 512 tokens)" in r.json()["error"]
     r = httpx.post(gw.url + "/api/chat", json={"model": "demo", "stream": True,
                    "messages": [{"role": "user", "content": big}]}, timeout=30)
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
