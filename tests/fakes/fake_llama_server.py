@@ -24,6 +24,9 @@ import sys
 
 from aiohttp import web
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_common import health, key_auth  # noqa: E402
+
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
@@ -47,16 +50,6 @@ def main(argv: list[str]) -> None:
     if args.fake_mode == "wedge":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-    @web.middleware
-    async def auth(request, handler):
-        if request.path != "/health" and request.headers.get("Authorization") != f"Bearer {key}":
-            return web.json_response({"error": {"code": 401, "message": "Invalid API Key",
-                                                "type": "authentication_error"}}, status=401)
-        return await handler(request)
-
-    async def health(request):
-        return web.json_response({"status": "ok"})
-
     async def slots(request):
         if wedged.is_set():
             await forever.wait()
@@ -78,7 +71,7 @@ def main(argv: list[str]) -> None:
         await forever.wait()
         return resp
 
-    app = web.Application(middlewares=[auth])
+    app = web.Application(middlewares=[key_auth(key)])
     app.add_routes([web.get("/health", health), web.get("/slots", slots),
                     web.post("/completion", completion),
                     web.post("/v1/chat/completions", completion),

@@ -18,6 +18,9 @@ import sys
 
 from aiohttp import web
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_common import health, key_auth  # noqa: E402
+
 _CHAT_EV = (b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" tok"}}],'
             b'"created":1,"id":"chatcmpl-fake","model":"fake","system_fingerprint":"b1-fake",'
             b'"object":"chat.completion.chunk"}\n\n')
@@ -40,16 +43,6 @@ def main(argv: list[str]) -> None:
     key = os.environ.get("LLAMA_API_KEY", "")
     n_ctx = args.c // args.np
     cache: dict[tuple[str, int], bytes] = {}
-
-    @web.middleware
-    async def auth(request, handler):
-        if request.path != "/health" and request.headers.get("Authorization") != f"Bearer {key}":
-            return web.json_response({"error": {"code": 401, "message": "Invalid API Key",
-                                                "type": "authentication_error"}}, status=401)
-        return await handler(request)
-
-    async def health(request):
-        return web.json_response({"status": "ok"})
 
     async def slots(request):
         return web.json_response([{"id": i, "n_ctx": n_ctx, "is_processing": False}
@@ -98,7 +91,7 @@ def main(argv: list[str]) -> None:
     async def completion(request):
         return await stream(request, "completion")
 
-    app = web.Application(middlewares=[auth])
+    app = web.Application(middlewares=[key_auth(key)])
     app.add_routes([web.get("/health", health), web.get("/slots", slots),
                      web.get("/metrics", metrics), web.post("/tokenize", tokenize),
                      web.post("/v1/chat/completions", chat), web.post("/completion", completion)])
