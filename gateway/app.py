@@ -17,7 +17,7 @@ from gateway.api import ollama_manage as ollama_manage_api
 from gateway.api import ollama as ollama_api
 from gateway.api import openai as openai_api
 from gateway.api import status_page
-from gateway.config import GatewayConfig, ModelConfig, PlanDiff, WorkerPlan, diff_plans, plan_workers
+from gateway.config import ConfigError, GatewayConfig, ModelConfig, PlanDiff, WorkerPlan, diff_plans, plan_workers
 from gateway.drain import graceful_stop
 from gateway.fleet import Fleet
 from gateway.inventory import Inventory, ModelEntry, full_name
@@ -32,7 +32,7 @@ from gateway.worker_stats import WorkerStatsPoller
 from workers.demo_model import ensure_demo_model
 from workers.gpu import detect_gpus
 from workers.process import reap_stale_workers
-from workers.provision import cache_root, ensure_llama_server
+from workers.provision import ProvisionError, cache_root, ensure_llama_server
 
 log = get_logger("gateway.app")
 
@@ -98,17 +98,23 @@ class Gateway:
     # ---- models, reload ----------------------------------------------------------------------
     async def load_models(self, cfg: GatewayConfig) -> tuple[dict[str, Path], list[ModelEntry]]:
         """Model files and inventory entries of ``cfg``; entries of models already loaded with
-        the same path and flags are reused. Raises OSError/ValueError for unreadable files."""
+        the same path and flags are reused. Raises ConfigError naming ``models[i].path`` for a
+        file that is not a readable GGUF."""
         old = {e.name: e for e in self.inventory.entries} if self.inventory else {}
         paths: dict[str, Path] = {}
         entries = []
-        for m in cfg.models:
+        for i, m in enumerate(cfg.models):
             p = await asyncio.to_thread(ensure_demo_model) if m.is_builtin else Path(m.path).expanduser()
             paths[m.full_name] = p
             e = old.get(m.full_name)
             if e is None or Path(e.path) != p or e.embeddings != m.embeddings \
                     or e.aliases != tuple(full_name(a) for a in m.aliases):
-                e = await asyncio.to_thread(ModelEntry.load, m.full_name, p, m.aliases, m.embeddings)
+                try:
+                    e = await asyncio.to_thread(ModelEntry.load, m.full_name, p, m.aliases,
+                                                m.embeddings)
+                except (OSError, ValueError) as err:  # gguf: "GGUF magic invalid", empty file …
+                    raise ConfigError(f"models[{i}].path: not a readable GGUF file: {p} ({err})",
+                                      cfg.source) from None
                 e.compute_digest_in_background()
             entries.append(e)
         return paths, entries
@@ -177,8 +183,11 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.config
         ls = cfg.llama_server
-        binary = await asyncio.to_thread(ensure_llama_server, ls.binary,
-                                         None if ls.backend == "auto" else ls.backend)
+        try:
+            binary = await asyncio.to_thread(ensure_llama_server, ls.binary,
+                                             None if ls.backend == "auto" else ls.backend)
+        except ProvisionError as e:
+            raise ConfigError(f"llama_server.binary: {e}", cfg.source) from None
         paths, entries = await self.load_models(cfg)
         self.inventory = Inventory(entries)
         host, port = cfg.host, cfg.port

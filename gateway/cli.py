@@ -84,6 +84,32 @@ def _admin(args) -> int:
     return 0
 
 
+def _check_files(cfg) -> list[str]:
+    """What ``serve`` would refuse: an unusable llama-server binary (no build is started here)
+    or a model path that is not a readable GGUF. Returns key-path error lines."""
+    from pathlib import Path
+
+    from gateway.inventory import GGUFFacts
+    from workers.provision import ProvisionError, find_llama_server
+
+    problems = []
+    ls = cfg.llama_server
+    try:
+        if find_llama_server(ls.binary, None if ls.backend == "auto" else ls.backend) is None:
+            sys.stderr.write("llama-gateway: no llama-server found; `serve` will build one "
+                             "(or run `llama-gateway install-llama-server`)\n")
+    except ProvisionError as e:
+        problems.append(f"llama_server.binary: {e}")
+    for i, m in enumerate(cfg.models):
+        if m.is_builtin:
+            continue
+        try:
+            GGUFFacts.read(Path(m.path).expanduser())
+        except (OSError, ValueError) as e:
+            problems.append(f"models[{i}].path: not a readable GGUF file: {m.path} ({e})")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     verb = args.verb or "serve"
@@ -104,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         if verb == "check-config":
             from gateway.config import plan_workers
             from workers.gpu import detect_gpus
+            problems = _check_files(cfg)
+            if problems:
+                sys.stderr.write(f"llama-gateway: invalid config\n{ConfigError(problems, cfg.source)}\n")
+                return 2
             for w in plan_workers(cfg, detect_gpus()):
                 sys.stdout.write(f"{w.id}\tmodel={w.model}\tgpus={list(w.gpus) or 'cpu'}\t"
                                  f"slots={w.slots}\tcontext/slot={w.context}\n")
@@ -111,9 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.app import serve
         try:
             import uvloop
-            return uvloop.run(serve(cfg, args.config))
+            runner = uvloop.run
         except ImportError:
-            return asyncio.run(serve(cfg, args.config))
+            runner = asyncio.run
+        try:
+            return runner(serve(cfg, args.config))
+        except ConfigError as e:  # a binary or model file the gateway cannot use
+            sys.stderr.write(f"llama-gateway: invalid config\n{e}\n")
+            return 2
     if verb == "hash-key":
         from gateway.auth import hash_key, new_key
         key = args.key

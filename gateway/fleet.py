@@ -34,6 +34,16 @@ _TOKENIZE_SAMPLE = ("You are a helpful assistant. Answer the user's questions cl
                     "concisely, and explain your reasoning step by step when it helps. ") * 4
 
 
+def _model_args(mcfg) -> list[str]:
+    """A model's extra llama-server args. The built-in demo GGUF declares no pooling type, and
+    llama-server refuses OpenAI-style embeddings with pooling "none", so an embedding demo model
+    gets ``--pooling mean`` unless the config names a pooling itself."""
+    args = list(mcfg.args)
+    if mcfg.is_builtin and mcfg.embeddings and "--pooling" not in args:
+        args += ["--pooling", "mean"]
+    return args
+
+
 class Fleet:
     """Builds, starts and stops the workers of a config; polls their load."""
 
@@ -77,7 +87,7 @@ class Fleet:
                           gpus=plan.gpus, slots=plan.slots, context_per_slot=plan.context,
                           threads=threads if plan.is_cpu else None,
                           embeddings=mcfg.embeddings,
-                          extra_args=list(ls.extra_args) + list(mcfg.args))
+                          extra_args=list(ls.extra_args) + _model_args(mcfg))
         sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
                                startup_timeout_s=ls.startup_timeout_s,
                                backoff_initial_s=ls.restart_backoff_initial_s,
@@ -132,12 +142,14 @@ class Fleet:
     async def remove_worker(self, worker_id: str, drain_s: float) -> None:
         """Drain, stop (SIGTERM, grace, SIGKILL; reaped) and forget a worker."""
         await self.drain(worker_id, drain_s)
-        sup = self.supervisors.pop(worker_id)
-        self.plans.pop(worker_id, None)
+        sup = self.supervisors[worker_id]
         poller = self.pollers.pop(worker_id, None)
         if poller is not None:
             await poller.stop()
         await sup.stop()
+        # Forgotten only once stopped, so listings never lose a worker that is restarting.
+        self.supervisors.pop(worker_id, None)
+        self.plans.pop(worker_id, None)
         self.admission.dispatcher.remove_worker(worker_id)
         log.info("worker.removed", worker=worker_id)
 

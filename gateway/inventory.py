@@ -56,6 +56,7 @@ class GGUFFacts:
     file_type: str = ""
     chat_template: str = ""
     has_fim: bool = False    # vocab has fill-in-the-middle tokens (the ``insert`` capability)
+    n_vocab: int = 0         # tokens in the vocabulary (len of tokenizer.ggml.tokens)
 
     @classmethod
     def read(cls, path: Path) -> "GGUFFacts":
@@ -65,6 +66,8 @@ class GGUFFacts:
         r = GGUFReader(str(path), "r")
         kv: dict = {}
         has_fim = any(k in r.fields for k in _FIM_KEYS)
+        tok_field = r.fields.get("tokenizer.ggml.tokens")
+        n_vocab = len(tok_field.data) if tok_field is not None else 0
         for name, f in r.fields.items():
             if name.startswith("GGUF."):
                 continue
@@ -83,7 +86,7 @@ class GGUFFacts:
         ft = kv.get("general.file_type")
         facts = cls(architecture=str(kv.get("general.architecture", "")), kv=kv,
                     n_params=n_params, file_type=_FTYPES.get(ft, str(ft) if ft is not None else ""),
-                    chat_template=str(kv.get("tokenizer.chat_template") or ""), has_fim=has_fim)
+                    chat_template=str(kv.get("tokenizer.chat_template") or ""), has_fim=has_fim, n_vocab=n_vocab)
         kv.pop("tokenizer.chat_template", None)
         return facts
 

@@ -199,6 +199,11 @@ class Upstream:
         raise last or UpstreamError(502, "no worker answered")
 
 
+# What a client reads when the worker's connection ends mid-answer (crash, kill, restart); the
+# aiohttp detail (TransferEncodingError …) goes to the log, not to the user.
+_BROKE = "the worker stopped in the middle of the answer (connection lost); please retry"
+
+
 async def iter_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     """Yield each SSE ``data:`` payload (bytes, JSON text) until ``[DONE]`` or end of stream.
 
@@ -221,7 +226,8 @@ async def iter_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
             if data:
                 yield data
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-        raise UpstreamError(502, f"worker stream broke: {e}", "stream_broken") from e
+        log.warning("upstream.stream_broken", error=str(e))
+        raise UpstreamError(502, _BROKE, "stream_broken") from e
     except asyncio.TimeoutError as e:
         raise UpstreamError(504, "worker stalled mid-stream", "stall") from e
 
@@ -233,7 +239,8 @@ async def iter_raw(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         async for chunk in resp.content.iter_any():
             yield chunk
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-        raise UpstreamError(502, f"worker stream broke: {e}", "stream_broken") from e
+        log.warning("upstream.stream_broken", error=str(e))
+        raise UpstreamError(502, _BROKE, "stream_broken") from e
 
 
 async def read_all(resp: aiohttp.ClientResponse) -> bytes:

@@ -99,11 +99,22 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
 async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, truncate: bool,
                      dimensions: int) -> tuple[list[list[float]], int]:
     """Embed ``inputs`` concurrently (one lease each), in input order; (vectors, total tokens).
+
+    At most as many inputs of one request are in flight (queued or running) as the model has
+    slots in total, so a long batch spreads over every worker without filling the gateway's
+    queue (a 600-input batch on an idle gateway must not get 503 "maximum pending requests").
     Raises ApiError (400 too long, 503 busy) or UpstreamError."""
     gw = request.app["gw"]
     retry = {"Retry-After": str(gw.config.queue.retry_after_s)}
+    width = max(1, sum(w.slots for w in gw.dispatcher.workers_for(entry.name)))
+    gate = asyncio.Semaphore(width)
+
+    async def one(text):
+        async with gate:
+            return await _embed_one(request, entry, text, truncate)
+
     try:
-        results = await asyncio.gather(*(_embed_one(request, entry, t, truncate) for t in inputs))
+        results = await asyncio.gather(*(one(t) for t in inputs))
     except QueueFull:
         raise ApiError(503, BUSY_MESSAGE, retry) from None
     except QueueTimeout:

@@ -333,12 +333,19 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return await _relay(request, entry, "/v1/chat/completions", up, stream, chunk, final)
 
 
-def _context_tokens(value) -> list[int]:
+def _context_tokens(value, n_vocab: int) -> list[int]:
+    """The ``context`` token ids, checked against the vocabulary (0 <= id < n_vocab; an id
+    outside it would make the worker's /detokenize fail with a C++ range error).
+    Raises ApiError(400)."""
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                               for t in value):
         raise ApiError(400, "context must be a list of integers")
+    bad = [t for t in value if t < 0 or (n_vocab and t >= n_vocab)]
+    if bad:
+        raise ApiError(400, f"context contains invalid token ids (e.g. {bad[0]}); the model's "
+                            f"vocabulary has {n_vocab} tokens")
     return value
 
 
@@ -358,7 +365,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     raw = body.get("raw") or False
     if not isinstance(raw, bool):
         raise ApiError(400, "raw must be a boolean")
-    context = _context_tokens(body.get("context"))
+    context = _context_tokens(body.get("context"), entry.facts.n_vocab)
     if raw and (system or body.get("template") or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
     images = _images(body.get("images"), "images")

@@ -25,6 +25,7 @@ OLLAMA_DEFAULTS: dict = {
     "repeat_last_n": 64, "temperature": 0.8, "repeat_penalty": 1.0, "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
 }
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 _INT = {"num_keep", "seed", "top_k", "repeat_last_n", "num_predict", "num_ctx", "num_batch",
         "num_gpu", "main_gpu", "num_thread", "draft_num_predict"}
 _FLOAT = {"top_p", "min_p", "typical_p", "temperature", "repeat_penalty", "presence_penalty",
@@ -59,6 +60,8 @@ def map_options(options: object, *, num_predict_default: int, num_predict_max: i
         if k in _INT:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ApiError(400, f'option "{k}" must be of type integer')
+            if not INT64_MIN <= v <= INT64_MAX:  # Go's int is 64-bit; so is llama-server's JSON
+                raise ApiError(400, f'option "{k}" is out of range for a 64-bit integer')
             v = int(v)
         elif k in _FLOAT:
             if isinstance(v, bool) or not isinstance(v, (int, float)):

@@ -11,7 +11,9 @@ import orjson
 from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout
+from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN
 from gateway.api.common import make_ticket, read_json, start_stream
+from gateway.api.capabilities import require
 from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage
@@ -35,8 +37,13 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         raise ApiError(404, f"model '{name}' not found")
     if required not in body:
         raise ApiError(400, f"{required} is required")
-    if required == "messages" and (not isinstance(body["messages"], list) or not body["messages"]):
-        raise ApiError(400, "[] is too short - 'messages'")
+    if required == "messages":
+        if not isinstance(body["messages"], list):
+            raise ApiError(400, "messages must be a list of message objects")
+        if not body["messages"]:
+            raise ApiError(400, "[] is too short - 'messages'")  # Ollama's openai middleware text
+        if _has_image(body["messages"]):
+            await require(gw, entry, "vision", name)
     stream = body.get("stream") is True
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
@@ -78,10 +85,34 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     return out
 
 
+def _has_image(messages: list) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and
+               any(isinstance(p, dict) and p.get("type") in ("image_url", "input_image")
+                   for p in m["content"]) for m in messages)
+
+
+# llama-server extensions a client must not set through the gateway: ``id_slot`` would pin a
+# slot the gateway's accounting may have leased to another request.
+_GATEWAY_OWNED = ("id_slot",)
+
+
 def _bound_max_tokens(gw, body: dict) -> None:
     """``max_tokens`` (or ``max_completion_tokens``) bounded by config.generation: the default
-    when absent, the maximum when over it or unbounded."""
+    when absent, the maximum when over it or unbounded. llama-server's own ``n_predict`` (which
+    it prefers to ``max_tokens``) is bounded the same way, so the cap cannot be bypassed.
+    Raises ApiError(400) for a non-integer or out-of-range value."""
     gen = gw.config.generation
+    for k in _GATEWAY_OWNED:
+        body.pop(k, None)
+    for k in ("max_tokens", "max_completion_tokens", "n_predict"):
+        v = body.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                              or not INT64_MIN <= v <= INT64_MAX):
+            raise ApiError(400, f"{k} must be an integer, got {orjson.dumps(v).decode()[:40]}")
+    if "n_predict" in body:
+        np_ = body["n_predict"]
+        if gen.num_predict_max is not None and (np_ < 0 or np_ > gen.num_predict_max):
+            body["n_predict"] = gen.num_predict_max
     key = "max_completion_tokens" if "max_completion_tokens" in body and "max_tokens" not in body \
         else "max_tokens"
     mt = body.get(key)

@@ -182,3 +182,13 @@ def test_normalize_and_dimensions():
     w = normalize([3.0, 4.0, 12.0], dimensions=2)
     assert w == pytest.approx([0.6, 0.8])
     assert normalize([0.0, 0.0]) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("opts", [{"num_predict": 1e30}, {"seed": 18446744073709551616},
+                                  {"top_k": -1e30}, {"num_keep": 2 ** 63}])
+def test_integer_options_beyond_64_bits_are_400(opts):
+    """New-user finding: these gave 500 (orjson 'Integer exceeds 64-bit range')."""
+    with pytest.raises(ApiError) as e:
+        map_options(opts, num_predict_default=-1, num_predict_max=None)
+    assert e.value.status == 400
+    assert e.value.message == f'option "{next(iter(opts))}" is out of range for a 64-bit integer'

@@ -24,8 +24,9 @@ def model(name: str, **over) -> dict:
 
 
 def embed_model(name: str = "embed", cpu: int = 1, context: int = 256) -> dict:
-    """The demo model served for embeddings: needs ``--pooling mean`` (its GGUF names no pooling)."""
-    return model(name, embeddings=True, args=["--pooling", "mean"], cpu=cpu, context=context)
+    """The demo model served for embeddings. Its GGUF names no pooling type; the gateway adds
+    ``--pooling mean`` for an embedding demo model by itself (gateway/fleet.py)."""
+    return model(name, embeddings=True, cpu=cpu, context=context)
 
 
 def worker_metrics(worker: dict) -> dict[str, float]:

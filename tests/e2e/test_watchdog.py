@@ -44,7 +44,10 @@ def test_silent_worker_requests_move_elsewhere(tmp_path, gateway_factory):
     binary = fake_binary(tmp_path, "silent", real=str(ensure_llama_server()))
     cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
                                                   "wedge_after_stalls": 2, "stop_grace_s": 2},
-                      timeouts={"first_byte_s": 1.5})
+                      timeouts={"first_byte_s": 1.5},
+                      # identical prompts would all go to their prefix's home worker; this test
+                      # needs them spread so the silent worker sees 2 stalls in a row
+                      scheduler={"prefix_affinity": False})
     cfg["models"][0]["slots"] = 1
     gw = gateway_factory(cfg)
     fake = wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")

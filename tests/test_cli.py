@@ -1,0 +1,43 @@
+"""gateway/cli.py: files the config names but the gateway cannot use are refused with a
+key-path message and exit status 2, by ``check-config`` and by ``serve`` alike (no traceback)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def not_gguf(tmp_path):
+    p = tmp_path / "model.gguf"
+    p.write_text("this is not a GGUF file\n")
+    return p
+
+
+@pytest.mark.parametrize("verb", ["check-config", "serve"])
+def test_model_path_that_is_not_gguf(tmp_path, not_gguf, verb):
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(f"listen: 127.0.0.1:0\nmodels:\n  - name: m\n    path: {not_gguf}\n    cpu: 1\n")
+    r = run(verb, "-c", str(cfg))
+    assert r.returncode == 2, r.stderr
+    assert f"{cfg}: models[0].path: not a readable GGUF file: {not_gguf}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("verb", ["check-config", "serve"])
+def test_missing_llama_server_binary(tmp_path, verb):
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("listen: 127.0.0.1:0\nllama_server:\n  binary: /nonexistent/llama-server\n"
+                   "models:\n  - name: m\n    path: builtin:demo\n    cpu: 1\n")
+    r = run(verb, "-c", str(cfg))
+    assert r.returncode == 2, r.stderr
+    assert f"{cfg}: llama_server.binary:" in r.stderr and "/nonexistent/llama-server" in r.stderr
+    assert "Traceback" not in r.stderr
