@@ -28,7 +28,7 @@ from gateway.notify import Notifier, fleet_status
 from gateway.reload import Reloader
 from gateway.scheduling import Dispatcher
 from gateway.upstream import Upstream
-from gateway.worker_stats import WorkerStatsPoller
+from gateway.worker_stats import WorkerStatsView
 from workers.demo_model import ensure_demo_model
 from workers.gpu import detect_gpus
 from workers.process import reap_stale_workers
@@ -60,7 +60,7 @@ class Gateway:
         self.draining = False  # True once shutdown began: new requests get 503
         self.notifier = notifier or Notifier()
         self.metrics = GatewayMetrics(self)
-        self.worker_stats = WorkerStatsPoller(self._ready_endpoints)
+        self.worker_stats = WorkerStatsView(self._last_sample)
         self.reloader = Reloader(self, config_path)
         self.plans: list[WorkerPlan] = []
         self._tasks: list[asyncio.Task] = []
@@ -145,15 +145,9 @@ class Gateway:
                 t.queue_timeout_s = 0.0
 
     # ---- live status -------------------------------------------------------------------------
-    def _ready_endpoints(self) -> dict:
-        if not self.fleet:
-            return {}
-        out = {}
-        for wid in list(self.fleet.supervisors):
-            ep = self.fleet.endpoint_of(wid)
-            if ep is not None:
-                out[wid] = ep
-        return out
+    def _last_sample(self, worker_id: str):
+        poller = self.fleet.pollers.get(worker_id) if self.fleet else None
+        return poller.last if poller is not None else None
 
     def worker_states(self) -> dict[str, str]:
         sups = self.fleet.supervisors.values() if self.fleet else ()
@@ -218,7 +212,6 @@ class Gateway:
         log.info("gateway.listening", listen=cfg.listen, version=__version__,
                  workers=[p.id for p in plans], binary=str(binary))
         self.fleet.start()
-        self.worker_stats.start()
         self._tasks.append(asyncio.create_task(self._watch(), name="gateway-watch"))
         self.notifier.start_watchdog()
 
@@ -226,7 +219,6 @@ class Gateway:
         log.info("gateway.stopping")
         for t in self._tasks:
             t.cancel()
-        await self.worker_stats.stop()
         if self.runner:
             await self.runner.cleanup()
         if self.fleet:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from gateway.api.errors import ApiError, context_overflow
 from gateway.logs import get_logger
+from gateway.upstream import UpstreamError
+from gateway.worker_calls import tokenize
 
 log = get_logger("gateway.limits")
 
@@ -104,24 +105,12 @@ async def check_prompt_length(gw, body: dict) -> None:
 
 
 async def _count_tokens(gw, model: str, text: str) -> int | None:
-    fleet, up = gw.fleet, gw.upstream
-    if fleet is None or up is None or up.session is None:
+    """Tokens of ``text`` by the model's own tokenizer (a worker's ``/tokenize``), or None when
+    no worker answers within a second (then the scheduler's estimate still guards)."""
+    if gw.fleet is None or gw.upstream is None or gw.upstream.session is None:
         return None
-    for sup in fleet.supervisors.values():
-        if sup.spec.alias != model:
-            continue
-        ep = fleet.endpoint_of(sup.id)
-        if ep is None:
-            continue
-        try:
-            async with up.session.post(ep.url + "/tokenize", data=orjson.dumps({"content": text}),
-                                       headers={"Authorization": f"Bearer {ep.api_key}",
-                                                "Content-Type": "application/json"},
-                                       timeout=aiohttp.ClientTimeout(total=10)) as r:
-                if r.status != 200:
-                    continue
-                data = orjson.loads(await r.read())
-                return len(data.get("tokens") or ())
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as e:
-            log.info("limits.tokenize_failed", worker=sup.id, error=str(e))
-    return None
+    try:
+        return len(await tokenize(gw, model, text, wait_s=1.0))
+    except UpstreamError as e:
+        log.info("limits.tokenize_failed", model=model, error=e.message)
+        return None

@@ -68,10 +68,11 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
         raise UpstreamError(502, f"worker side call {path} failed: {e}", "connection") from e
 
 
-async def tokenize(gw, model: str, text: str, *, add_special: bool = False) -> list[int]:
+async def tokenize(gw, model: str, text: str, *, add_special: bool = False,
+                   wait_s: float | None = None) -> list[int]:
     """Token ids of ``text`` (llama-server ``/tokenize``, special tokens parsed)."""
     r = await side_call(gw, model, "/tokenize", {"content": text, "add_special": add_special,
-                                                 "parse_special": True})
+                                                 "parse_special": True}, wait_s=wait_s)
     return [int(t) for t in r.get("tokens", [])]
 
 

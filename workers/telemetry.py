@@ -150,12 +150,14 @@ class WorkerPoller:
         timeout_s: per-request timeout (seconds) for ``/slots`` and ``/metrics``.
         gpus: GPU indices of this worker (NVML stats attached when available).
         read_gpus: callable returning ``{index: GpuStats}`` (``workers.gpu.read_gpu_stats``).
+        metrics_every: ``/metrics`` is read on every n-th poll only (its counters move slowly
+            and parsing the Prometheus text is the poll's main CPU cost); ``/slots`` every poll.
     """
 
     def __init__(self, worker_id: str, endpoint: Callable[[], Any],
                  on_sample: Callable[[Sample], None], *, interval_s: float = 0.25,
                  timeout_s: float = 1.0, gpus: tuple[int, ...] = (),
-                 read_gpus: Callable[[], dict] | None = None):
+                 read_gpus: Callable[[], dict] | None = None, metrics_every: int = 4):
         self.worker_id = worker_id
         self.endpoint = endpoint
         self.on_sample = on_sample
@@ -166,6 +168,8 @@ class WorkerPoller:
         self.progress = Progress()
         self.last: Sample | None = None
         self.failures = 0
+        self.metrics_every = max(1, metrics_every)
+        self._polls = 0
         self._task: asyncio.Task | None = None
 
     def start(self, session: aiohttp.ClientSession) -> None:
@@ -190,8 +194,12 @@ class WorkerPoller:
         try:
             async with session.get(ep.url + "/slots", headers=headers, timeout=timeout) as r:
                 slots = parse_slots(await r.json(content_type=None)) if r.status == 200 else []
-            async with session.get(ep.url + "/metrics", headers=headers, timeout=timeout) as r:
-                metrics = parse_metrics(await r.text()) if r.status == 200 else {}
+            if self.last is None or self._polls % self.metrics_every == 0:
+                async with session.get(ep.url + "/metrics", headers=headers, timeout=timeout) as r:
+                    metrics = parse_metrics(await r.text()) if r.status == 200 else {}
+            else:
+                metrics = self.last.metrics
+            self._polls += 1
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
             self.failures += 1
             if self.failures == 1:

@@ -38,7 +38,7 @@ from gateway.api.ollama_mapping import (
 from gateway.inventory import ModelEntry, now_utc_z
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease
-from gateway.upstream import UpstreamError, iter_sse
+from gateway.upstream import UpstreamError, iter_sse_batches
 from gateway.worker_calls import apply_template, detokenize, tokenize
 
 log = get_logger("gateway.api.ollama")
@@ -211,25 +211,29 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
         async with gw.upstream.request(ticket, path, upstream_body) as (lease, resp):
             st.t_loaded_ns = time.monotonic_ns()
             note_lease(request, lease)
-            async for data in iter_sse(resp):
+            fold = st.fold_chat if is_chat else st.fold_completion_pair
+            async for batch in iter_sse_batches(resp):
                 note_first_byte(request)
-                ev = orjson.loads(data)
-                if is_chat:
-                    content, thinking = st.fold_chat(ev)
-                else:
-                    content, thinking = st.fold_completion(ev), ""
+                st.created_at = now_utc_z()  # one timestamp per network read, not per token
+                lines = []
+                for data in batch:
+                    content, thinking = fold(orjson.loads(data))
+                    if st.error:
+                        break
+                    if content or thinking:
+                        if stream:
+                            lines.append(orjson.dumps(chunk(st, content, thinking)))
+                        else:
+                            st.content.append(content)
+                            if thinking:
+                                st.thinking.append(thinking)
+                if lines:  # the whole batch in one write (one syscall), newline-delimited
+                    if out is None:
+                        out = await prepare_ndjson(request)
+                    lines.append(b"")
+                    await out.write(b"\n".join(lines))
                 if st.error:
                     break
-                if content or thinking:
-                    if stream:
-                        if out is None:
-                            out = await prepare_ndjson(request)
-                        obj = chunk(st, content, thinking)
-                        await out.write(orjson.dumps(obj) + b"\n")
-                    else:
-                        st.content.append(content)
-                        if thinking:
-                            st.thinking.append(thinking)
     except QueueFull:
         return ollama_error(503, BUSY_MESSAGE, {"Retry-After": str(gw.config.queue.retry_after_s)})
     except QueueTimeout:
@@ -313,7 +317,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         msg = {"role": "assistant", "content": content}
         if thinking:
             msg["thinking"] = thinking
-        obj = {"model": name, "created_at": now_utc_z(), "message": msg, "done": False}
+        obj = {"model": name, "created_at": st.created_at, "message": msg, "done": False}
         if lp or top:
             obj["logprobs"] = st.take_logprobs(top)
         return obj
@@ -407,7 +411,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             up["prompt"] = rendered
 
     def chunk(st, content, thinking):
-        obj = {"model": name, "created_at": now_utc_z(), "response": content, "done": False}
+        obj = {"model": name, "created_at": st.created_at, "response": content, "done": False}
         if thinking:
             obj["thinking"] = thinking
         if lp or top:

@@ -113,6 +113,7 @@ class StreamState:
     thinking: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict] = field(default_factory=dict)
     error: str | None = None
+    created_at: str = ""  # Ollama ``created_at`` for the chunks of the current network read
     error_status: int = 500
     logprobs: list[dict] = field(default_factory=list)   # Ollama-shaped, pending for the next chunk
 
@@ -131,6 +132,10 @@ class StreamState:
             self.done_reason = "length" if st == "limit" else "stop"
             self.timings = ev.get("timings") or self.timings
         return piece
+
+    def fold_completion_pair(self, ev: dict) -> tuple[str, str]:
+        """``fold_completion`` shaped like ``fold_chat``: (content, thinking="")."""
+        return self.fold_completion(ev), ""
 
     def fold_chat(self, ev: dict) -> tuple[str, str]:
         """A ``/v1/chat/completions`` chunk; returns (content, thinking) pieces."""

@@ -17,7 +17,7 @@ from gateway.api.capabilities import require
 from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage
-from gateway.upstream import UpstreamError, iter_sse, read_all
+from gateway.upstream import UpstreamError, iter_sse_batches, read_all
 
 log = get_logger("gateway.api.openai")
 
@@ -133,25 +133,31 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
     it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
     itself, which is split off here. An upstream ``{"error": …}`` event ends the stream
     (raised as UpstreamError so the caller writes an OpenAI error event)."""
-    async for data in iter_sse(resp):
+    async for batch in iter_sse_batches(resp):
         note_first_byte(request)
-        if b'"usage"' not in data and b'"error"' not in data:
-            await out.write(b"data: " + data + b"\n\n")  # hot path: pass the event through
-            continue
-        note_openai_usage(request, data)
-        ev = orjson.loads(data)
-        if "error" in ev:
-            err = ev["error"]
-            msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-            kind = err.get("type", "") if isinstance(err, dict) else ""
-            code = err.get("code", 500) if isinstance(err, dict) else 500
-            raise UpstreamError(code if isinstance(code, int) else 500, msg, kind)
-        usage = ev.pop("usage", None)
-        if ev.get("choices"):
-            await out.write(_sse(ev))
-        if usage is not None and include_usage:
-            await out.write(_sse({k: v for k, v in ev.items() if k not in ("choices", "timings")}
-                                 | {"choices": [], "usage": usage}))
+        parts: list[bytes] = []
+        for data in batch:
+            if b'"usage"' not in data and b'"error"' not in data:
+                parts.append(b"data: " + data + b"\n\n")  # hot path: pass the event through
+                continue
+            note_openai_usage(request, data)
+            ev = orjson.loads(data)
+            if "error" in ev:
+                if parts:
+                    await out.write(b"".join(parts))
+                err = ev["error"]
+                msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                kind = err.get("type", "") if isinstance(err, dict) else ""
+                code = err.get("code", 500) if isinstance(err, dict) else 500
+                raise UpstreamError(code if isinstance(code, int) else 500, msg, kind)
+            usage = ev.pop("usage", None)
+            if ev.get("choices"):
+                parts.append(_sse(ev))
+            if usage is not None and include_usage:
+                parts.append(_sse({k: v for k, v in ev.items() if k not in ("choices", "timings")}
+                                  | {"choices": [], "usage": usage}))
+        if parts:  # everything that arrived together goes out in one write
+            await out.write(b"".join(parts))
     await out.write(b"data: [DONE]\n\n")
 
 

@@ -11,6 +11,7 @@
 """
 
 import argparse
+import json
 import concurrent.futures as cf
 import random
 import statistics
@@ -62,6 +63,13 @@ def overhead(gw, n=200):
 
 
 def saturation(gw, clients=8, per_client=12, n_predict=400):
+    """Tokens/s with ``clients`` closed-loop streaming clients, direct vs through the gateway.
+
+    Both sides stream, as the gateway itself always does upstream (Ollama's runner does the
+    same): direct = ``/completion`` with ``stream: true`` spread over the workers by the client
+    (round-robin, the best a client can do without load information); gateway =
+    ``/api/generate`` raw with NDJSON streaming. Rounds alternate; the best of 2 each counts.
+    """
     ws = gw.workers()
     directs = [(f"http://127.0.0.1:{w['port']}/completion",
                 {"Authorization": f"Bearer {worker_key(w['pid'])}"}) for w in ws]
@@ -69,16 +77,21 @@ def saturation(gw, clients=8, per_client=12, n_predict=400):
     def run(kind, i):
         toks = 0
         with httpx.Client(timeout=300) as c:
-            for _ in range(per_client):
+            for j in range(per_client):
                 if kind == "direct":
-                    url, h = directs[i % len(directs)]
-                    r = c.post(url, json={"prompt": "story", "n_predict": n_predict}, headers=h)
-                    toks += r.json()["tokens_predicted"]
+                    url, h = directs[(i + j) % len(directs)]
+                    body = {"prompt": "story", "n_predict": n_predict, "stream": True}
                 else:
-                    r = c.post(gw.url + "/api/generate", json={
-                        "model": "demo", "prompt": "story", "raw": True, "stream": False,
-                        "options": {"num_predict": n_predict}})
-                    toks += r.json()["eval_count"]
+                    url, h = gw.url + "/api/generate", {}
+                    body = {"model": "demo", "prompt": "story", "raw": True,
+                            "options": {"num_predict": n_predict}}
+                with c.stream("POST", url, json=body, headers=h) as r:
+                    last = None
+                    for line in r.iter_lines():
+                        if line.strip():
+                            last = line
+                final = json.loads(last[5:] if last.startswith("data:") else last)
+                toks += final.get("tokens_predicted") or final.get("eval_count") or 0
         return toks
 
     out = {}

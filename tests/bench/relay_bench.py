@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--events-per-write", type=int, default=0,
+                    help="upstream events per write: 0 = 64 KiB blocks, 1 = one per token")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="relay-bench-"))
     wrapper = tmp / "firehose-llama-server"
@@ -69,7 +71,7 @@ def main() -> None:
                       log={"level": "warning", "format": "json"})
     cfg["models"][0].update({"cpu": 1, "slots": args.streams, "context": 65536})
     cfg["timeouts"] = {"inter_token_s": 60}
-    gw = start_gateway(tmp, cfg)
+    gw = start_gateway(tmp, cfg, env={"FIREHOSE_EVENTS_PER_WRITE": str(args.events_per_write)})
     proc = psutil.Process(gw.proc.pid)
     rows = []
     try:
@@ -86,7 +88,8 @@ def main() -> None:
             rows.append((route, *best))
     finally:
         gw.stop()
-    print(f"streams={args.streams} tokens/stream={args.tokens} rounds={args.rounds} (best round)")
+    print(f"streams={args.streams} tokens/stream={args.tokens} rounds={args.rounds} "
+          f"upstream events/write={args.events_per_write or '64 KiB blocks'} (best round)")
     print("| route | tokens relayed | gateway CPU s | wall s | tokens / gateway CPU-s | tokens/s wall |")
     print("|---|---:|---:|---:|---:|---:|")
     for route, rate, n, cpu, wall in rows:

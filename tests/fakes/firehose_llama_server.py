@@ -40,6 +40,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("-c", type=int, default=65536)
     p.add_argument("--alias", default="fake")
     args, _ = p.parse_known_args(argv)
+    # 0: write in 64 KiB blocks (events pile up, as when the relay falls behind); N: N events
+    # per write, each followed by a drain (N=1 is how llama-server sends: one event per token).
+    events_per_write = int(os.environ.get("FIREHOSE_EVENTS_PER_WRITE", "0"))
     key = os.environ.get("LLAMA_API_KEY", "")
     n_ctx = args.c // args.np
     cache: dict[tuple[str, int], bytes] = {}
@@ -79,9 +82,17 @@ def main(argv: list[str]) -> None:
         data = body_for(kind, n)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        step = 1 << 16
-        for i in range(0, len(data), step):
-            await resp.write(data[i:i + step])
+        if events_per_write:
+            ev = _CHAT_EV if kind == "chat" else _CMPL_EV
+            step = len(ev) * events_per_write
+            body_end = len(ev) * n
+            for i in range(0, body_end, step):
+                await resp.write(data[i:min(i + step, body_end)])
+            await resp.write(data[body_end:])
+        else:
+            step = 1 << 16
+            for i in range(0, len(data), step):
+                await resp.write(data[i:i + step])
         await resp.write_eof()
         return resp
 
