@@ -23,7 +23,7 @@ run: setup
 # Test-only system packages: nginx (proxy-buffering test, field case 19) and headless Chromium
 # (status-page screenshot). Installed only when missing and running as root with apt-get (CI
 # runs as root); otherwise the tests that need them skip and say why. Never prompts for sudo.
-APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
+APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y -q
 test-deps:
 	@for pkg in nginx:nginx chromium:chromium; do \
 	  bin=$${pkg%%:*}; deb=$${pkg##*:}; \
