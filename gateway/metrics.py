@@ -1,6 +1,6 @@
 """Prometheus metrics (prometheus_client) and the per-request access record.
 
-Two kinds of metric (names listed in docs/operations.md):
+Two kinds of metric (names listed in the README, "Prometheus metrics"):
 
 * event metrics, updated once per finished request by the middleware: requests by endpoint,
   model and status; end-to-end latency, time to first token and queue wait histograms

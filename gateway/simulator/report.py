@@ -1,7 +1,7 @@
 """Simulated routing-quality comparison: scenarios × policies → markdown tables and a PNG.
 
-Used by ``llama-gateway simulate`` and ``llama-gateway bench --sim``. Scenarios (see
-docs/benchmarks.md): the seed scenario (100 closed-loop clients, outputs uniform 10..1000),
+Used by ``llama-gateway simulate`` and ``tests/bench/sim_bench.py``. Scenarios (see
+README, "Benchmarks"): the seed scenario (100 closed-loop clients, outputs uniform 10..1000),
 an open-loop Poisson trace (lengths from the Azure conv trace) and a shared-system-prompt
 trace. Policies: this scheduler (least_loaded + bounded-load prefix affinity), least_loaded
 without affinity, least_connections, round_robin, random, the Ollama-like baseline (one

@@ -1,5 +1,5 @@
 """Chaos and soak on a real gateway (issue 6). Figures go to the log and to
-``$LLAMA_GATEWAY_ROBUSTNESS_OUT`` (JSON lines) when set; docs/robustness.md quotes a run.
+``$LLAMA_GATEWAY_ROBUSTNESS_OUT`` (JSON lines) when set; the README ("Robustness") quotes a run.
 
 * chaos: under load, SIGKILL a random worker every few seconds for ``CHAOS_S`` seconds;
   every request ends with a complete response or a clear error, none hangs, accounting

@@ -1,0 +1,64 @@
+"""Field case 2 (ollama#4124, #4159): overload is answered 503, never 500, and nothing hangs.
+
+300 concurrent ``/api/embed`` calls arrive while the workers are still loading (the binary is a
+wrapper that sleeps 3 s before exec'ing the real llama-server): they wait in the gateway and
+all succeed. Then 1,000 concurrent generations against a queue of 8: every one ends with 200 or
+with Ollama's 503 JSON body, none with 500, all within the time limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+
+import aiohttp
+import pytest
+
+from gateway.api.errors import BUSY_MESSAGE
+from tests.conftest import base_config, free_port
+from tests.e2e.compat_helpers import embed_model, model
+from workers.provision import ensure_llama_server
+
+pytestmark = pytest.mark.slow
+
+
+async def _fire(url: str, bodies: list[dict], limit_s: float) -> list[tuple[int, str, dict]]:
+    async def one(s, body):
+        async with s.post(url, json=body) as r:
+            return r.status, r.headers.get("Content-Type", ""), await r.json(content_type=None)
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        return await asyncio.wait_for(asyncio.gather(*(one(s, b) for b in bodies)), limit_s)
+
+
+def test_case2_embeds_during_load_wait_and_overflow_is_503_not_500(tmp_path, gateway_factory):
+    real = ensure_llama_server()
+    wrapper = tmp_path / "slow-llama-server"
+    wrapper.write_text(f"#!/bin/sh\nsleep 3\nexec '{real}' \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    cfg = base_config(free_port(), llama_server={"binary": str(wrapper), "threads": 1},
+                      models=[embed_model(cpu=2)], queue={"max_pending": 512})
+    gw = gateway_factory(cfg, wait=False)
+    assert {w["state"] for w in gw.workers()} == {"starting"}
+    res = asyncio.run(_fire(gw.url + "/api/embed",
+                            [{"model": "embed", "input": f"text {i}"} for i in range(300)], 180))
+    assert [r[0] for r in res] == [200] * 300
+    assert all(len(r[2]["embeddings"]) == 1 for r in res)
+
+    cfg = base_config(free_port(), models=[model("demo", cpu=2)], queue={"max_pending": 8})
+    gw = gateway_factory(cfg)
+    body = {"model": "demo", "prompt": "x", "raw": True, "stream": False,
+            "options": {"num_predict": 32}}
+    res = asyncio.run(_fire(gw.url + "/api/generate", [body] * 1000, 240))
+    codes = [r[0] for r in res]
+    assert set(codes) <= {200, 503}, sorted(set(codes))
+    assert codes.count(200) >= 4 + 8 and codes.count(503) > 0
+    for status, ctype, data in res:
+        assert ctype.startswith("application/json")
+        if status == 503:
+            assert data == {"error": BUSY_MESSAGE}
+        else:
+            assert data["done"] is True and data["eval_count"] == 32
+    st = gw.status()
+    assert st["queue"]["depth"] == 0 and all(w["busy"] == 0 for w in st["workers"])
