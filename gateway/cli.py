@@ -35,8 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     i.add_argument("--jobs", type=int, default=None)
     i.add_argument("--force", action="store_true", help="build even if a binary is found")
-    d = sub.add_parser("demo-model", help="write the offline demo GGUF")
+    d = sub.add_parser("demo-model", help="write the offline demo GGUF (if missing)")
     d.add_argument("--path", default=None)
+    d.add_argument("--force", action="store_true", help="write it again even if it exists")
     c = sub.add_parser("check-config", help="validate a config and show the worker plan")
     c.add_argument("-c", "--config", default="gateway.yaml")
     url_help = "gateway URL (default $LLAMA_GATEWAY_URL or http://127.0.0.1:11434)"
@@ -183,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             plot(rows, args.png)
         return 0
     if verb == "demo-model":
-        from workers.demo_model import demo_model_path, write_demo_model
-        path = write_demo_model(Path(args.path) if args.path else demo_model_path())
+        from workers.demo_model import demo_model_path, ensure_demo_model, write_demo_model
+        path = Path(args.path) if args.path else demo_model_path()
+        path = write_demo_model(path) if args.force else ensure_demo_model(path)
         sys.stdout.write(f"{path}\n")
         return 0
     return 2
