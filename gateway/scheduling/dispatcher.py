@@ -192,6 +192,7 @@ class Dispatcher:
         return gone
 
     def _on_release(self, lease: SlotLease) -> list[Dispatch]:
+        lease.worker.note_release(self.clock())
         return self.pump()
 
     def pump(self) -> list[Dispatch]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -62,6 +63,11 @@ class WorkerView:
     speed: float = 1.0
     leases: set = field(default_factory=set)
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    releases: deque = field(default_factory=lambda: deque(maxlen=256))  # clock s of releases
+
+    def note_release(self, at: float) -> None:
+        """A lease of this worker ended at clock ``at`` (seconds)."""
+        self.releases.append(at)
 
     @property
     def busy(self) -> int:
@@ -77,8 +83,14 @@ class WorkerView:
 
     @property
     def phantom(self) -> int:
-        """Slots the last poll saw busy beyond the gateway's leases (0..free)."""
-        return max(0, min(self.slots - self.busy, self.load.processing - self.busy))
+        """Slots the last poll saw busy beyond the gateway's leases (0..free).
+
+        Leases released after that poll are not phantom: the poll is up to one interval old
+        and still shows their slots busy. Counting them steered new requests away from the
+        worker that had just freed a slot (in the simulator this raised TTFT p99 on the Poisson
+        trace from 1.04× to 1.26× the oracle's)."""
+        since = sum(1 for t in self.releases if t >= self.load.at)
+        return max(0, min(self.slots - self.busy, self.load.processing - self.busy - since))
 
     @property
     def kv_reserved(self) -> int:

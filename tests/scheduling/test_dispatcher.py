@@ -161,3 +161,23 @@ def test_other_models_not_blocked():
     assert d.submit(t(1, model="a:latest")) is None
     lb = d.submit(t(2, model="b:latest"))
     assert lb and lb.worker.id == "b"
+
+
+def test_phantom_ignores_slots_freed_after_the_poll():
+    """A poll is up to one interval old: slots whose leases ended after it are not phantom load,
+    but slots still busy in a poll taken after their release are (a cancelled request winding
+    down in the worker)."""
+    from gateway.scheduling import WorkerLoad
+
+    d, clock = mk(n_workers=1, slots=4, max_pending=10)
+    w = d.workers["w0"]
+    leases = [d.submit(t(i)) for i in range(2)]
+    clock.t = 1.0
+    d.update_load("w0", WorkerLoad(at=1.0, processing=2))
+    assert w.phantom == 0
+    clock.t = 1.1
+    for l in leases:
+        l.release()
+    assert w.busy == 0 and w.phantom == 0  # the 1.0 poll predates both releases
+    d.update_load("w0", WorkerLoad(at=1.3, processing=1))  # one request still winding down
+    assert w.phantom == 1
