@@ -159,6 +159,21 @@ def start_gateway(tmp_path: Path, cfg: dict, wait: bool = True, env: dict | None
     return gp
 
 
+def stop_and_check_no_worker_left(gp: GatewayProc) -> None:
+    """SIGTERM the gateway; it must exit cleanly and leave none of its llama-servers running."""
+    pids = set()
+    try:
+        pids = {w["pid"] for w in gp.workers() if w.get("pid")}
+    except Exception:
+        pass
+    rc = gp.stop()
+    assert rc in (0, -9, 137), f"gateway exit status {rc}\n{gp.log_tail()}"
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids), "llama-server left running after gateway stop"
+
+
 @pytest.fixture
 def gateway_factory(tmp_path):
     started: list[GatewayProc] = []
@@ -172,17 +187,7 @@ def gateway_factory(tmp_path):
 
     yield factory
     for gp in started:
-        pids = set()
-        try:
-            pids = {w["pid"] for w in gp.workers() if w.get("pid")}
-        except Exception:
-            pass
-        rc = gp.stop()
-        assert rc in (0, -9, 137), f"gateway exit status {rc}\n{gp.log_tail()}"
-        deadline = time.monotonic() + 10
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(pid_alive(p) for p in pids), "llama-server left running after gateway stop"
+        stop_and_check_no_worker_left(gp)
 
 
 @pytest.fixture
@@ -208,14 +213,4 @@ def module_gateway_factory(tmp_path_factory):
 
     yield factory
     for gp in started:
-        pids = set()
-        try:
-            pids = {w["pid"] for w in gp.workers() if w.get("pid")}
-        except Exception:
-            pass
-        rc = gp.stop()
-        assert rc in (0, -9, 137), f"gateway exit status {rc}\n{gp.log_tail()}"
-        deadline = time.monotonic() + 10
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(pid_alive(p) for p in pids), "llama-server left running after gateway stop"
+        stop_and_check_no_worker_left(gp)
