@@ -39,8 +39,10 @@ def _call(method: str, url: str, token: str | None = None, timeout: float = 10) 
     return body
 
 
-def fetch_status(url: str | None = None) -> dict:
-    return _call("GET", _url(url) + "/gateway/api/workers")
+def fetch_status(url: str | None = None, token: str | None = None) -> dict:
+    """``GET /gateway/api/workers``; open unless ``auth.keys`` is set, then it needs the admin
+    token (or an admin key) from ``token`` or ``$LLAMA_GATEWAY_ADMIN_TOKEN``."""
+    return _call("GET", _url(url) + "/gateway/api/workers", token)
 
 
 def worker_action(action: str, worker: str, url: str | None = None, token: str | None = None,

@@ -137,6 +137,8 @@ class Gateway:
             self.fleet.config = new
             self.fleet.model_paths.update(paths)
         self.inventory = Inventory(entries)
+        if self.runner is not None and "guard" in self.runner.app:
+            self.runner.app["guard"].update(new)  # API keys, CORS, Host rules
 
     def forget_unserved(self) -> None:
         """Answer queued requests of models no longer served (503 via the queue timeout)."""

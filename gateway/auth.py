@@ -85,6 +85,16 @@ class KeyRing:
             st = KeyState(k, models, tokens=float(k.rate_per_minute or 0))
             self.by_hash[k.sha256] = st
 
+    def carry_over(self, old: "KeyRing") -> None:
+        """After a reload: a key that is still configured keeps its state object (in-flight
+        count, rate bucket), so requests running across the reload are counted once; removed
+        keys stop working at once."""
+        for h, st in list(self.by_hash.items()):
+            prev = old.by_hash.get(h)
+            if prev is not None:
+                prev.cfg, prev.models = st.cfg, st.models
+                self.by_hash[h] = prev
+
     @property
     def enabled(self) -> bool:
         return bool(self.by_hash)

@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show the workers of a running gateway")
     st.add_argument("--url", default=None, help=url_help)
     st.add_argument("--json", action="store_true", help="print the raw JSON")
+    st.add_argument("--token", default=None, help=tok_help + "; needed when auth.keys is set")
     w = sub.add_parser("worker", help="drain, undrain or restart a worker")
     w.add_argument("action", choices=["drain", "undrain", "restart"])
     w.add_argument("worker", help="worker id, e.g. demo-cpu1")
@@ -70,7 +71,7 @@ def _admin(args) -> int:
     from gateway import admin_client as ac
     try:
         if args.verb == "status":
-            st = ac.fetch_status(args.url)
+            st = ac.fetch_status(args.url, args.token)
             sys.stdout.write(orjson.dumps(st, option=orjson.OPT_INDENT_2).decode() + "\n"
                              if args.json else ac.status_table(st))
         elif args.verb == "worker":

@@ -66,6 +66,14 @@ async def gateway_middleware(request: web.Request, handler):
         log.info("request.cancelled", request_id=rid, path=request.path,
                  worker=request.get("worker"), ms=(time.monotonic_ns() - t0) / 1e6)
         raise
+    except ConnectionResetError:
+        # The client went away while its stream was being written (aiohttp raises this before
+        # the handler-cancellation arrives). Not a gateway error: the lease was released in the
+        # handler's finally; 499 as Ollama answers a canceled request (and nginx logs it).
+        log.info("request.cancelled", request_id=rid, path=request.path,
+                 worker=request.get("worker"), ms=(time.monotonic_ns() - t0) / 1e6)
+        resp = _error(request.path, 499, "request canceled")
+        status = 499
     except Exception as e:  # a bug: answer 500 in the right shape, keep serving
         log.exception("request.failed", request_id=rid, path=request.path, error=str(e))
         resp = _error(request.path, 500, f"internal error: {type(e).__name__}: {e}")
@@ -100,16 +108,40 @@ async def guard_middleware(request: web.Request, handler):
         return _error(request.path, e.status, e.message, e.headers)
 
 
+#: Paths that carry no data and stay open with ``auth.keys`` (the status page's HTML asks for
+#: its data with a key or the admin token the user gives it in the URL fragment).
+_OPEN_PATHS = ("/", "/gateway")
+#: With ``auth.keys``, the gateway's own status and admin API also accept the admin token.
+_ADMIN_PATHS = ("/gateway/", "/metrics")
+
+
+def _is_admin_token(auth: str | None, config) -> bool:
+    import hmac
+    import os
+
+    expected = config.admin.token or os.environ.get("LLAMA_GATEWAY_ADMIN_TOKEN")
+    if not expected or not auth or not auth.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(auth[7:].strip().encode(), expected.encode())
+
+
 class Guard:
-    """Per-app state of ``guard_middleware`` (built from the config at start)."""
+    """Per-app state of ``guard_middleware``, built from the config at start and rebuilt by
+    ``update`` on every reload (keys, CORS origins and Host rules then apply at once)."""
 
     def __init__(self, config):
+        self.update(config)
+
+    def update(self, config) -> None:
         from gateway.auth import Cors, HostCheck, KeyRing
 
+        old = getattr(self, "keys", None)
         self.config = config
         self.keys = KeyRing(config)
         self.hosts = HostCheck(config)
         self.cors = Cors(config)
+        if old is not None:
+            self.keys.carry_over(old)
 
     async def run(self, request: web.Request, handler, gw):
         from gateway import limits
@@ -126,13 +158,18 @@ class Guard:
                 raise ApiError(403, "origin not allowed")
             return web.Response(status=204, headers=hdrs)
         key = None
-        if self.keys.enabled and not (request.path == "/" and request.method in ("GET", "HEAD")):
+        open_path = request.path in _OPEN_PATHS and request.method in ("GET", "HEAD")
+        if request.path.startswith(_ADMIN_PATHS) and \
+                _is_admin_token(request.headers.get("Authorization"), cfg):
+            request["admin_auth"] = True
+        elif self.keys.enabled and not open_path:
             key = self.keys.lookup(request.headers.get("Authorization"))
             if key is None:
                 raise ApiError(401, "unauthorized: a valid API key is required "
                                     "(Authorization: Bearer <key>)",
                                {"WWW-Authenticate": 'Bearer realm="llama-gateway"'})
             request["api_key"] = key.cfg.name
+            request["admin_auth"] = bool(key.cfg.admin)
             if key.cfg.priority is not None:
                 request["key_priority"] = key.cfg.priority
             if request.path.startswith("/gateway/") and not key.cfg.admin:
@@ -150,6 +187,10 @@ class Guard:
                         raise ApiError(403, f"key '{key.cfg.name}' may not use model '{name}'")
                 if cfg.limits.check_prompt_length:
                     await limits.check_prompt_length(gw, body)
+        # Limits count inference requests only (a UI polling /api/tags during a stream is fine).
+        if key is not None and not (request.method == "POST" and request.path in limits.JSON_ROUTES
+                                    and request.path != "/api/show"):
+            key = None
         if key is not None:
             if key.cfg.max_concurrent is not None and key.in_flight >= key.cfg.max_concurrent:
                 raise ApiError(429, f"too many concurrent requests for key '{key.cfg.name}' "

@@ -86,6 +86,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _check_token(request: web.Request) -> None:
+    """Admin access: the admin token, or (with ``auth.keys``) an ``admin: true`` key, both
+    already checked by the guard middleware (``request["admin_auth"]``)."""
+    if request.get("admin_auth"):
+        return
     gw = request.app["gw"]
     expected = gw.config.admin.token or os.environ.get(TOKEN_ENV)
     if not expected:

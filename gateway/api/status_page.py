@@ -40,7 +40,9 @@ function bar(frac,cls,label){const p=Math.max(0,Math.min(1,frac||0))*100;
 function gb(b){return (b/1073741824).toFixed(1)+" GiB";}
 async function tick(){
   try{
-    const r=await fetch("/gateway/api/workers",{cache:"no-store"}); const d=await r.json();
+    const tok=new URLSearchParams(location.hash.slice(1)).get("token");
+    const r=await fetch("/gateway/api/workers",{cache:"no-store",headers:tok?{"Authorization":"Bearer "+tok}:{}});
+    const d=await r.json(); if(!r.ok){document.getElementById("summary").textContent=d.error||("HTTP "+r.status);return;}
     const q=d.queue; const ready=d.workers.filter(w=>w.state==="ready").length;
     document.getElementById("summary").textContent=ready+"/"+d.workers.length+" workers ready · queue "+
       q.depth+"/"+q.max_pending+" · in flight "+d.in_flight+(d.shutting_down?" · SHUTTING DOWN":"")+

@@ -135,3 +135,63 @@ def test_cors_off_by_default_and_worker_needs_its_key(gateway):
                         json={"prompt": "x", "n_predict": 2}, timeout=30)
     assert direct.status_code == 401
     assert httpx.get(f"http://127.0.0.1:{w['port']}/slots", timeout=10).status_code == 401
+
+
+def test_admin_token_and_keys_together_and_reload_of_keys(tmp_path, gateway_factory):
+    """With ``auth.keys`` set, the admin token still opens the admin API and ``status``, an
+    ``admin: true`` key does too, a plain key does not; the status page HTML is open (its data
+    is not); a reload that removes a key revokes it at once and an added key works at once;
+    concurrency caps count inference only (a UI may poll /api/tags during a stream)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    cfg = base_config(free_port(), admin={"token": "admintok"}, auth={"keys": [
+        {"name": "ops", "sha256": hash_key(ADMIN), "admin": True},
+        {"name": "webui", "sha256": hash_key(WEB), "max_concurrent": 1}]})
+    cfg["models"][0].update(cpu=1, slots=2, context=8192)
+    gw = gateway_factory(cfg, headers={"Authorization": "Bearer admintok"})
+    url = gw.url
+    r = httpx.post(url + "/gateway/api/admin/workers/demo-cpu0/drain",
+                   headers={"Authorization": "Bearer admintok"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/gateway/api/admin/workers/demo-cpu0/undrain",
+                   headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/gateway/api/admin/workers/demo-cpu0/drain",
+                   headers={"Authorization": f"Bearer {WEB}"})
+    assert r.status_code == 403
+    out = subprocess.run([sys.executable, "-m", "gateway", "status", "--url", url, "--json",
+                          "--token", "admintok"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert [w["id"] for w in json.loads(out.stdout)["workers"]] == ["demo-cpu0"]
+    assert httpx.get(url + "/gateway").status_code == 200
+    assert httpx.get(url + "/gateway/api/workers").status_code == 401
+    assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer admintok"}).status_code == 200
+
+    # a stream of the capped key runs; its /api/tags poll is not refused
+    web = {"Authorization": f"Bearer {WEB}"}
+    with httpx.Client(timeout=60) as c, c.stream("POST", url + "/api/generate", headers=web, json={
+            "model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 8000}}) as s:
+        lines = s.iter_lines()  # kept referenced: a collected iterator closes the stream
+        next(lines)
+        assert c.get(url + "/api/tags", headers=web).status_code == 200
+        r = c.post(url + "/api/generate", headers=web, json={"model": "demo", "prompt": "b",
+                                                             "stream": False})
+        assert r.status_code == 429
+
+    new = yaml.safe_load(gw.cfg_path.read_text())
+    new["auth"]["keys"] = [new["auth"]["keys"][0],
+                           {"name": "fresh", "sha256": hash_key("fresh-key-4")}]
+    gw.cfg_path.write_text(yaml.safe_dump(new))
+    gw.proc.send_signal(signal.SIGHUP)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and "config.reloaded" not in gw.log_path.read_text():
+        time.sleep(0.1)
+    assert httpx.get(url + "/api/tags", headers=web).status_code == 401  # revoked
+    assert httpx.get(url + "/api/tags",
+                     headers={"Authorization": "Bearer fresh-key-4"}).status_code == 200

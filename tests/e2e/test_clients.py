@@ -69,3 +69,20 @@ def test_root_version_and_unknown_model(gateway):
     r = httpx.post(gateway.url + "/v1/chat/completions", json={"model": "nope", "messages": [
         {"role": "user", "content": "x"}]})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_client_closing_a_stream_is_a_cancel_not_an_error(gateway):
+    """A client that reads one line and hangs up: logged as request.cancelled (499), never as
+    an internal error, and the gateway keeps serving (its slot was released)."""
+    body = {"model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 1500}}
+    for _ in range(3):
+        with httpx.Client(timeout=30) as c, c.stream("POST", gateway.url + "/api/generate",
+                                                     json=body) as s:
+            lines = s.iter_lines()
+            assert json.loads(next(lines))["done"] is False
+    r = httpx.post(gateway.url + "/api/generate", json={**body, "stream": False,
+                                                        "options": {"num_predict": 4}}, timeout=60)
+    assert r.status_code == 200 and r.json()["eval_count"] == 4
+    log = gateway.log_path.read_text()
+    assert "request.failed" not in log and "request.cancelled" in log
+    assert all(w["busy"] == 0 for w in gateway.workers())
