@@ -42,8 +42,21 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
             raise ApiError(400, "messages must be a list of message objects")
         if not body["messages"]:
             raise ApiError(400, "[] is too short - 'messages'")  # Ollama's openai middleware text
+        for i, m in enumerate(body["messages"]):
+            c = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                    c is None or isinstance(c, str) or
+                    (isinstance(c, list) and all(isinstance(p, dict) for p in c))):
+                raise ApiError(400, f"messages[{i}] must be an object with a string role and "
+                                    f"string, null or content-part list content")
         if _has_image(body["messages"]):
             await require(gw, entry, "vision", name)
+    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+        raise ApiError(400, "stream must be a boolean")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (
+            isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
+        raise ApiError(400, "stop must be a string or a list of strings")
     stream = body.get("stream") is True
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
@@ -73,7 +86,10 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     except QueueTimeout:
         return openai_error(503, "server busy, please try again.  timed out waiting for a free slot", retry)
     except UpstreamError as e:
-        status = 400 if e.kind == "exceed_context_size_error" else (
+        # llama-server answers some malformed bodies with 500 ("Failed to parse messages: [json.
+        # exception…]"): the client's fault, so 400 here.
+        client_fault = e.status == 500 and ("Failed to parse" in e.message or "json.exception" in e.message)
+        status = 400 if e.kind == "exceed_context_size_error" or client_fault else (
             e.status if 400 <= e.status < 500 or e.status in (502, 503, 504) else 500)
         log.warning("request.upstream_error", request_id=request.get("request_id"),
                     worker=request.get("worker"), error=e.message, streamed=out is not None)

@@ -60,3 +60,11 @@ def test_embedding_batch_larger_than_queue_is_served(gw):
     r = httpx.post(gw.url + "/api/embed", json={"model": "embed", "input": texts}, timeout=120)
     assert r.status_code == 200, r.text
     assert len(r.json()["embeddings"]) == 40
+
+
+@pytest.mark.parametrize("field,value,msg", [("stream", "yes", "stream must be a boolean"),
+                                             ("stop", 5, "stop must be a string or a list of strings")])
+def test_v1_wrong_types_are_400(gw, field, value, msg):
+    r = httpx.post(gw.url + "/v1/chat/completions", json={
+        "model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value})
+    assert r.status_code == 400 and r.json()["error"]["message"] == msg
