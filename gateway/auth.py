@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
+import os
 import secrets
 import socket
 import time
@@ -67,6 +69,23 @@ class KeyState:
             self.tokens -= 1.0
             return 0.0
         return (1.0 - self.tokens) / per_s
+
+
+#: Environment variable that may carry the admin token instead of ``admin.token``.
+ADMIN_TOKEN_ENV = "LLAMA_GATEWAY_ADMIN_TOKEN"
+
+
+def admin_token(config: GatewayConfig) -> str | None:
+    """The configured admin token (``admin.token``, else ``$LLAMA_GATEWAY_ADMIN_TOKEN``)."""
+    return config.admin.token or os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def is_admin_token(authorization: str | None, config: GatewayConfig) -> bool:
+    """Whether ``Authorization: Bearer <token>`` carries the admin token (constant-time)."""
+    expected = admin_token(config)
+    if not expected or not authorization or not authorization.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(authorization[7:].strip().encode(), expected.encode())
 
 
 class KeyRing:

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gateway.api.common import request_id
 from gateway.api.errors import ApiError, ollama_error, openai_error
+from gateway.auth import is_admin_token
 from gateway.logs import get_logger
 
 log = get_logger("gateway.access")
@@ -115,16 +116,6 @@ _OPEN_PATHS = ("/", "/gateway")
 _ADMIN_PATHS = ("/gateway/", "/metrics")
 
 
-def _is_admin_token(auth: str | None, config) -> bool:
-    import hmac
-    import os
-
-    expected = config.admin.token or os.environ.get("LLAMA_GATEWAY_ADMIN_TOKEN")
-    if not expected or not auth or not auth.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(auth[7:].strip().encode(), expected.encode())
-
-
 class Guard:
     """Per-app state of ``guard_middleware``, built from the config at start and rebuilt by
     ``update`` on every reload (keys, CORS origins and Host rules then apply at once)."""
@@ -160,7 +151,7 @@ class Guard:
         key = None
         open_path = request.path in _OPEN_PATHS and request.method in ("GET", "HEAD")
         if request.path.startswith(_ADMIN_PATHS) and \
-                _is_admin_token(request.headers.get("Authorization"), cfg):
+                is_admin_token(request.headers.get("Authorization"), cfg):
             request["admin_auth"] = True
         elif self.keys.enabled and not open_path:
             key = self.keys.lookup(request.headers.get("Authorization"))

@@ -26,20 +26,19 @@ Errors are ``{"error": "..."}``, application/json.
 
 from __future__ import annotations
 
-import hmac
-import os
 
 import orjson
 from aiohttp import web
 
 from gateway.api.errors import ApiError
+from gateway.auth import ADMIN_TOKEN_ENV, admin_token, is_admin_token
 from gateway.logs import get_logger
 from gateway.metrics import worker_state
 from workers.gpu import read_gpu_stats
 
 log = get_logger("gateway.api.admin")
 
-TOKEN_ENV = "LLAMA_GATEWAY_ADMIN_TOKEN"
+TOKEN_ENV = ADMIN_TOKEN_ENV
 
 
 def _json(body, status: int = 200) -> web.Response:
@@ -90,15 +89,14 @@ def _check_token(request: web.Request) -> None:
     already checked by the guard middleware (``request["admin_auth"]``)."""
     if request.get("admin_auth"):
         return
-    gw = request.app["gw"]
-    expected = gw.config.admin.token or os.environ.get(TOKEN_ENV)
-    if not expected:
+    config = request.app["gw"].config
+    if not admin_token(config):
         raise ApiError(403, f"admin API disabled: set admin.token in the config or {TOKEN_ENV}")
     auth = request.headers.get("Authorization", "")
     if not auth.startswith("Bearer "):
         raise ApiError(401, "admin token required: Authorization: Bearer <token>",
                        {"WWW-Authenticate": 'Bearer realm="llama-gateway admin"'})
-    if not hmac.compare_digest(auth[7:].strip().encode(), expected.encode()):
+    if not is_admin_token(auth, config):
         log.warning("admin.bad_token", remote=request.remote, path=request.path)
         raise ApiError(403, "invalid admin token")
 
