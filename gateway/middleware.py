@@ -170,6 +170,7 @@ class Guard:
                                          cfg.timeouts.body_read_s)
             body = limits.parse_object(raw) if request.path in limits.JSON_ROUTES else None
             if body is not None:
+                request["json_body"] = body  # the handler's read_json uses it: parsed once
                 limits.check_messages(body, cfg.limits.max_messages)
                 name = body.get("model") or body.get("name")
                 if key is not None and isinstance(name, str) and gw.inventory is not None:

@@ -17,7 +17,11 @@ STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 async def read_json(request: web.Request) -> dict:
     """The JSON object body. Raises ApiError(400): ``missing request body`` (empty body, as
     Ollama), ``invalid JSON: …``, or ``request body must be a JSON object``. A JSON ``null``
-    gives ``{}`` (Ollama treats it as an empty request)."""
+    gives ``{}`` (Ollama treats it as an empty request). A body the guard middleware already
+    parsed (``request["json_body"]``) is not parsed again."""
+    parsed = request.get("json_body")
+    if parsed is not None:
+        return parsed
     raw = await request.read()
     if not raw.strip():
         raise ApiError(400, "missing request body")
