@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -269,9 +270,17 @@ def rfc3339(dt: datetime) -> str:
     return dt.isoformat()
 
 
+_second: list = [-1, ""]  # [whole second, its "%Y-%m-%dT%H:%M:%S" text]: formatted once a second
+
+
 def now_utc_z() -> str:
-    """``created_at`` as Ollama writes it: UTC with ``Z``, e.g. ``2023-08-04T19:22:45.499127Z``."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """``created_at`` as Ollama writes it: UTC with ``Z``, e.g. ``2023-08-04T19:22:45.499127Z``.
+    (Called once per streamed network read, so the date part is formatted once a second.)"""
+    t = time.time()
+    sec = int(t)
+    if sec != _second[0]:
+        _second[0], _second[1] = sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+    return f"{_second[1]}.{int((t - sec) * 1e6):06d}Z"
 
 
 __all__ = ["Inventory", "ModelEntry", "GGUFFacts", "capabilities", "cached_sha256", "full_name",

@@ -22,6 +22,7 @@ import contextvars
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -30,6 +31,7 @@ from gateway.admission import Admission
 from gateway.logs import get_logger
 from gateway.scheduling import SlotLease, Ticket
 from gateway.watchdog import StreamWatch, Watchdog
+from gateway.worker_http import WorkerConnectionError, WorkerPayloadError, WorkerResponse, post
 
 log = get_logger("gateway.upstream")
 
@@ -42,10 +44,15 @@ RETRYABLE = ("connection", "worker_gone", "worker_unavailable", "first_byte_time
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where a ready worker listens and the per-start key it requires."""
+    """Where a ready worker listens (``http://host:port``) and the per-start key it requires."""
 
     url: str
     api_key: str
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        hp = urlsplit(self.url)
+        return hp.hostname or "127.0.0.1", hp.port or 80
 
 
 class UpstreamError(Exception):
@@ -75,7 +82,8 @@ def parse_error_body(status: int, body: bytes) -> UpstreamError:
 
 
 class Upstream:
-    """One shared aiohttp session for all workers (no connection reuse, see module doc).
+    """Inference requests go through :mod:`gateway.worker_http` (a fresh connection each, see
+    module doc); ``session`` is the aiohttp session of the side calls (tokenize, templates).
 
     Args:
         admission: where leases come from.
@@ -119,7 +127,7 @@ class Upstream:
 
     @contextlib.asynccontextmanager
     async def request(self, ticket: Ticket, path: str, body: dict
-                      ) -> AsyncIterator[tuple[SlotLease, aiohttp.ClientResponse]]:
+                      ) -> AsyncIterator[tuple[SlotLease, WorkerResponse]]:
         """Lease a slot, POST ``body`` to ``path`` on that worker, yield (lease, response).
 
         The response has status < 400 (errors raise ``UpstreamError``). On exit the response
@@ -133,8 +141,7 @@ class Upstream:
         t0 = (client.get("t0_ns") / 1e9) if client is not None and client.get("t0_ns") else time.monotonic()
         deadline = t0 + self.request_s
         downstream = client.transport if client is not None else None
-        # No aiohttp read timeout: the watchdog times the body (first byte, gaps, deadline).
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None)
+        # No read timeout here: the watchdog times the body (first byte, gaps, deadline).
         last: UpstreamError | None = None
         for attempt in range(self.attempts):
             try:
@@ -153,18 +160,18 @@ class Upstream:
                     wait_s = min(wait_s, self.first_byte_s)
                 t_sent = time.monotonic()
                 try:
+                    host, port = ep.host_port
                     async with asyncio.timeout(wait_s):
-                        resp = await self.session.post(
-                            ep.url + path, data=payload, timeout=timeout,
-                            headers={"Authorization": f"Bearer {ep.api_key}",
-                                     "Content-Type": "application/json"})
+                        resp = await post(host, port, path, payload,
+                                          {"Authorization": f"Bearer {ep.api_key}",
+                                           "Content-Type": "application/json"})
                 except TimeoutError:
                     if time.monotonic() >= deadline - 0.01:
                         raise UpstreamError(504, "request deadline exceeded", "deadline") from None
                     self.watchdog.on_stall(lease.worker.id)
                     raise UpstreamError(504, f"worker {lease.worker.id} sent nothing within "
                                              f"{wait_s:g} s", "first_byte_timeout") from None
-                except aiohttp.ClientError as e:
+                except WorkerConnectionError as e:
                     raise UpstreamError(502, f"worker {lease.worker.id} unreachable: {e}",
                                         "connection")
                 if resp.status == 503:
@@ -202,7 +209,7 @@ class Upstream:
 
 
 # What a client reads when the worker's connection ends mid-answer (crash, kill, restart); the
-# aiohttp detail (TransferEncodingError …) goes to the log, not to the user.
+# transport detail (connection reset, malformed chunk …) goes to the log, not to the user.
 _BROKE = "the worker stopped in the middle of the answer (connection lost); please retry"
 
 
@@ -215,7 +222,7 @@ def _sse_payload(line: bytes) -> bytes | None:
     return None
 
 
-async def iter_sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+async def iter_sse_batches(resp: WorkerResponse) -> AsyncIterator[list[bytes]]:
     """Yield the SSE ``data:`` payloads (bytes, JSON text) that arrived together, as one list
     per network read, until ``[DONE]`` or the end of the stream.
 
@@ -245,31 +252,31 @@ async def iter_sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[b
         data = _sse_payload(rest)
         if data and data != b"[DONE]":
             yield [data]
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+    except WorkerPayloadError as e:
         log.warning("upstream.stream_broken", error=str(e))
         raise UpstreamError(502, _BROKE, "stream_broken") from e
     except asyncio.TimeoutError as e:
         raise UpstreamError(504, "worker stalled mid-stream", "stall") from e
 
 
-async def iter_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+async def iter_sse(resp: WorkerResponse) -> AsyncIterator[bytes]:
     """Each SSE ``data:`` payload on its own (see :func:`iter_sse_batches`)."""
     async for batch in iter_sse_batches(resp):
         for data in batch:
             yield data
 
 
-async def iter_raw(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+async def iter_raw(resp: WorkerResponse) -> AsyncIterator[bytes]:
     """Yield the body as it arrives (pass-through relays). Raises UpstreamError(502) when the
     connection breaks, or the watchdog's UpstreamError when it ended the stream."""
     try:
         async for chunk in resp.content.iter_any():
             yield chunk
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+    except WorkerPayloadError as e:
         log.warning("upstream.stream_broken", error=str(e))
         raise UpstreamError(502, _BROKE, "stream_broken") from e
 
 
-async def read_all(resp: aiohttp.ClientResponse) -> bytes:
+async def read_all(resp: WorkerResponse) -> bytes:
     """The whole body; errors as in :func:`iter_raw`."""
     return b"".join([chunk async for chunk in iter_raw(resp)])

@@ -4,8 +4,8 @@ Every upstream response that has begun (headers received) is registered as a ``S
 One timer task per gateway (never per request, never per token) looks at all of them every
 ``tick_s`` seconds:
 
-* worker progress is read from ``resp.content.total_bytes`` (aiohttp's count of body bytes
-  received), so the hot path pays nothing;
+* worker progress is read from ``resp.content.total_bytes`` (the count of body bytes
+  received, ``gateway.worker_http.Body``), so the hot path pays nothing;
 * no body byte within ``first_byte_s`` of sending, or no byte for ``inter_token_s`` after
   one, aborts the stream with ``UpstreamError(504)`` and reports the worker as stalled;
 * past the request deadline, ``UpstreamError(504, kind="deadline")``;
@@ -14,7 +14,7 @@ One timer task per gateway (never per request, never per token) looks at all of 
   the upstream response closed so the worker frees its slot). While the client is the one
   blocking, the worker is not blamed.
 
-Aborting a stream wakes its reader with the error (``StreamReader.set_exception``); the API
+Aborting a stream wakes its reader with the error (``Body.set_exception``); the API
 modules then end the stream with an error line / event, or answer the error as JSON.
 """
 
@@ -25,9 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import aiohttp
-
 from gateway.logs import get_logger
+from gateway.worker_http import WorkerResponse
 
 log = get_logger("gateway.watchdog")
 
@@ -46,7 +45,7 @@ class StreamWatch:
 
     worker_id: str
     request_id: str
-    resp: aiohttp.ClientResponse
+    resp: WorkerResponse
     t_sent: float
     deadline: float
     downstream: asyncio.Transport | None = None

@@ -30,7 +30,7 @@ from gateway.api.errors import BUSY_MESSAGE, ApiError
 from gateway.api.ollama import resolve_model
 from gateway.api.ollama_mapping import parse_keep_alive
 from gateway.inventory import ModelEntry
-from gateway.upstream import UpstreamError
+from gateway.upstream import UpstreamError, read_all
 from gateway.worker_calls import tokenize
 
 TOO_LONG = "the input length exceeds the context length"
@@ -85,7 +85,7 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s)
     try:
         async with gw.upstream.request(ticket, "/v1/embeddings", {"input": payload}) as (lease, resp):
-            data = orjson.loads(await resp.read())
+            data = orjson.loads(await read_all(resp))
             request.setdefault("workers_used", []).append(lease.worker.id)
     except UpstreamError as e:
         if _is_too_long(e):

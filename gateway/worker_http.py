@@ -1,0 +1,230 @@
+"""The inference requests' HTTP/1.1 client towards a worker: one POST on a fresh loopback
+connection, the response body read as it arrives.
+
+Why not aiohttp's ClientSession here: on this hot path (every generate/chat/embed request)
+its per-request machinery (connector, happy-eyeballs connect, tracing, cookie and header
+objects) cost about 1 ms of added TTFT per request on the 2-core development machine
+(measured: a bare pass-through proxy added 1.7 ms with an aiohttp client and 0.7 ms with a
+plain asyncio connection; README, "Gateway overhead"). This module is the thin part that is
+left: an ``asyncio.Protocol`` on the event loop's own ``create_connection`` and the llhttp
+response parser from ``httptools`` (the parser uvicorn uses), which handles status line,
+headers, ``Content-Length`` and chunked bodies. Side calls (tokenize, templates, telemetry)
+still use aiohttp.
+
+Every request gets its own connection (``Connection: close``): this llama-server build drops a
+reused keep-alive connection now and then (field case 27), and closing the connection is how a
+worker learns that a client went away (it then frees the slot, shared/reference/llama-server.md).
+
+The response object offers what the relays and the watchdog need, with aiohttp's names:
+``status``, ``headers`` (lower-case names), ``read()``, ``close()`` and ``content`` with
+``iter_any()``, ``total_bytes`` and ``set_exception()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import httptools
+
+#: Body bytes buffered (not yet read by the relay) above which reading from the worker pauses;
+#: reading resumes once the relay has taken them. Bounds memory per slow client.
+HIGH_WATER_BYTES = 262144
+
+
+class WorkerConnectionError(ConnectionError):
+    """The worker could not be reached, or closed the connection before the response headers
+    (nothing of the answer was received, so the request may be retried)."""
+
+
+class WorkerPayloadError(ConnectionError):
+    """The response broke after its headers: connection lost mid-body, or bytes that are not
+    HTTP/1.1."""
+
+
+class Body:
+    """The response body as it arrives (bytes). aiohttp ``StreamReader`` names: ``iter_any``,
+    ``read``, ``total_bytes`` (body bytes received so far), ``set_exception``."""
+
+    def __init__(self, conn: "_Conn"):
+        self._conn = conn
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self.total_bytes = 0
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        n = len(data)
+        self.total_bytes += n
+        self._buffered += n
+        if self._buffered > HIGH_WATER_BYTES and not self._paused and self._conn.transport:
+            self._paused = True
+            self._conn.transport.pause_reading()
+        self._wake()
+
+    def _end(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Make the reader's next (or current) read raise ``exc``; data not yet read is dropped."""
+        self._exc = exc
+        self._wake()
+
+    async def readany(self) -> bytes:
+        """Whatever has arrived since the last read (waits for something); ``b""`` at the end.
+        Raises WorkerPayloadError if the connection broke, or the exception set by
+        :meth:`set_exception`."""
+        while True:
+            if self._exc is not None:
+                raise self._exc
+            if self._chunks:
+                chunks, self._chunks = self._chunks, []
+                self._buffered = 0
+                if self._paused:
+                    self._paused = False
+                    if self._conn.transport and not self._conn.transport.is_closing():
+                        self._conn.transport.resume_reading()
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if self._eof:
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        """Yield the body in the pieces it arrived in (several network reads joined when the
+        reader was slower than the worker). Errors as :meth:`readany`."""
+        while True:
+            data = await self.readany()
+            if not data:
+                return
+            yield data
+
+    async def read(self) -> bytes:
+        """The whole body (waits for its end). Errors as :meth:`readany`."""
+        parts = [data async for data in self.iter_any()]
+        return b"".join(parts)
+
+
+class _Conn(asyncio.Protocol):
+    """One connection: feeds the bytes to the llhttp parser, whose callbacks fill in status,
+    headers and body."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.headers: dict[str, str] = {}
+        self.head: asyncio.Future = loop.create_future()
+        self.body = Body(self)
+        self.complete = False
+        self.framed = False  # Content-Length or chunked: the end is known without a close
+
+    # asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(f"malformed HTTP from the worker: {e}")
+            if self.transport:
+                self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.head.done():
+            self.head.set_exception(WorkerConnectionError(
+                f"connection closed before the response headers{f': {exc}' if exc else ''}"))
+        elif not self.complete:
+            if self.framed or exc is not None:
+                self.body.set_exception(WorkerPayloadError(
+                    f"connection lost mid-body{f': {exc}' if exc else ''}"))
+            else:  # no length given: the body ends with the connection (HTTP/1.1 §6.3)
+                self.body._end()
+
+    # llhttp callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        self.headers[key] = value.decode("latin-1")
+        if key in ("content-length", "transfer-encoding"):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        if not self.head.done():
+            self.head.set_result(self.parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        self.body._feed(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.body._end()
+
+    def _fail(self, message: str) -> None:
+        if not self.head.done():
+            self.head.set_exception(WorkerConnectionError(message))
+        else:
+            self.body.set_exception(WorkerPayloadError(message))
+
+
+class WorkerResponse:
+    """A worker's answer. ``status`` (int), ``headers`` (lower-case name → value), ``content``
+    (:class:`Body`). ``close()`` drops the connection, which tells the worker the client left."""
+
+    def __init__(self, conn: _Conn, status: int):
+        self._conn = conn
+        self.status = status
+        self.headers = conn.headers
+        self.content = conn.body
+
+    async def read(self) -> bytes:
+        """The whole body; errors as :meth:`Body.readany`."""
+        return await self.content.read()
+
+    def close(self) -> None:
+        t = self._conn.transport
+        if t is not None and not t.is_closing():
+            t.close()
+
+
+async def post(host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
+               connect_timeout_s: float = 5.0) -> WorkerResponse:
+    """POST ``body`` to ``http://host:port{path}`` on a new connection; returns once the
+    response headers are in (the body is read from ``response.content``).
+
+    Raises WorkerConnectionError when the worker cannot be reached within
+    ``connect_timeout_s`` seconds or closes before sending headers. The caller bounds the wait
+    for the headers (``asyncio.timeout``); on cancellation the connection is closed.
+    """
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(connect_timeout_s):
+            transport, conn = await loop.create_connection(lambda: _Conn(loop), host, port)
+    except TimeoutError:
+        raise WorkerConnectionError(f"connect to {host}:{port} timed out "
+                                    f"({connect_timeout_s:g} s)") from None
+    except OSError as e:
+        raise WorkerConnectionError(f"cannot connect to {host}:{port}: {e}") from None
+    head = [f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\n"]
+    head += [f"{k}: {v}\r\n" for k, v in headers.items()]
+    head.append("\r\n")
+    transport.write("".join(head).encode("latin-1") + body)
+    try:
+        status = await conn.head
+    except BaseException:
+        transport.close()
+        raise
+    return WorkerResponse(conn, status)

@@ -1,0 +1,157 @@
+"""gateway.worker_http against small asyncio HTTP servers written here (each answers with
+exactly the bytes a test needs: framed, chunked, broken, silent)."""
+
+import asyncio
+
+import pytest
+
+from gateway.worker_http import HIGH_WATER_BYTES, WorkerConnectionError, WorkerPayloadError, post
+
+
+async def serve(reply):
+    """Start a server whose connection handler is ``reply(reader, writer)``; returns (server,
+    port, list of received request heads)."""
+    heads = []
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0]
+                .split(b":")[1])
+        heads.append((head, await reader.readexactly(n)))
+        try:
+            await reply(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], heads
+
+
+async def test_content_length_body_and_request_shape():
+    async def reply(r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n"
+                b'{"ok":true}')
+        await w.drain()
+
+    server, port, heads = await serve(reply)
+    async with server:
+        resp = await post("127.0.0.1", port, "/completion", b'{"prompt":"hi"}',
+                          {"Authorization": "Bearer k", "Content-Type": "application/json"})
+        assert resp.status == 200
+        assert resp.headers["content-type"] == "application/json"
+        assert await resp.read() == b'{"ok":true}'
+        assert resp.content.total_bytes == 11
+    head, body = heads[0]
+    assert head.startswith(b"POST /completion HTTP/1.1\r\n")
+    assert b"Connection: close\r\n" in head and b"Authorization: Bearer k\r\n" in head
+    assert body == b'{"prompt":"hi"}'
+
+
+async def test_chunked_sse_arrives_piece_by_piece():
+    gate = asyncio.Event()
+
+    async def reply(r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        w.write(b"8\r\ndata: 1\n\r\n")
+        await w.drain()
+        await gate.wait()
+        w.write(b"8\r\ndata: 2\n\r\n0\r\n\r\n")
+        await w.drain()
+
+    server, port, _ = await serve(reply)
+    async with server:
+        resp = await post("127.0.0.1", port, "/completion", b"{}", {})
+        it = resp.content.iter_any()
+        assert await it.__anext__() == b"data: 1\n"  # before the worker sent the rest
+        gate.set()
+        assert b"".join([c async for c in it]) == b"data: 2\n"
+        assert resp.content.total_bytes == 16
+
+
+async def test_connection_lost_mid_body_is_a_payload_error():
+    async def reply(r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n8\r\ndata: 1\n\r\n")
+        await w.drain()  # then the handler returns and the connection closes mid-stream
+
+    server, port, _ = await serve(reply)
+    async with server:
+        resp = await post("127.0.0.1", port, "/completion", b"{}", {})
+        with pytest.raises(WorkerPayloadError):
+            await resp.read()
+
+
+async def test_close_before_headers_and_refused_are_connection_errors():
+    async def reply(r, w):
+        return None  # close without answering
+
+    server, port, _ = await serve(reply)
+    async with server:
+        with pytest.raises(WorkerConnectionError):
+            await post("127.0.0.1", port, "/completion", b"{}", {})
+    with pytest.raises(WorkerConnectionError):  # nothing listens there any more
+        await post("127.0.0.1", port, "/completion", b"{}", {})
+
+
+async def test_garbage_instead_of_http_is_a_connection_error():
+    async def reply(r, w):
+        w.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await w.drain()
+
+    server, port, _ = await serve(reply)
+    async with server:
+        with pytest.raises(WorkerConnectionError, match="malformed"):
+            await post("127.0.0.1", port, "/completion", b"{}", {})
+
+
+async def test_unframed_body_ends_with_the_connection():
+    async def reply(r, w):
+        w.write(b"HTTP/1.1 200 OK\r\n\r\nall of it")
+        await w.drain()
+
+    server, port, _ = await serve(reply)
+    async with server:
+        resp = await post("127.0.0.1", port, "/x", b"{}", {})
+        assert await resp.read() == b"all of it"
+
+
+async def test_set_exception_wakes_a_waiting_reader_and_close_reaches_the_server():
+    closed = asyncio.Event()
+
+    async def reply(r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await w.drain()
+        await r.read()  # returns when the client closes its side
+        closed.set()
+
+    server, port, _ = await serve(reply)
+    async with server:
+        resp = await post("127.0.0.1", port, "/completion", b"{}", {})
+        reader = asyncio.ensure_future(resp.read())
+        await asyncio.sleep(0.05)
+        assert not reader.done()
+        resp.content.set_exception(RuntimeError("watchdog"))
+        with pytest.raises(RuntimeError, match="watchdog"):
+            await reader
+        resp.close()
+        await asyncio.wait_for(closed.wait(), 5)
+
+
+async def test_a_slow_reader_pauses_the_worker_connection_and_loses_nothing():
+    size = 8 * HIGH_WATER_BYTES
+
+    async def reply(r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(size // 65536):
+            w.write(b"x" * 65536)
+            await w.drain()
+
+    server, port, _ = await serve(reply)
+    async with server:
+        resp = await post("127.0.0.1", port, "/x", b"{}", {})
+        await asyncio.sleep(0.2)  # the server writes while nobody reads
+        assert resp.content._paused  # reading from the socket stopped at the high-water mark
+        assert resp.content.total_bytes < size
+        got = 0
+        async for chunk in resp.content.iter_any():
+            got += len(chunk)
+        assert got == size
