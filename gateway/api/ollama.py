@@ -266,8 +266,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
         return web.Response(body=orjson.dumps(obj), content_type="application/json")
     if out is None:
         out = await prepare_ndjson(request)
-    await out.write(orjson.dumps(obj) + b"\n")
-    await out.write_eof()
+    await out.write_eof(orjson.dumps(obj) + b"\n")  # last line and end of stream in one write
     return out
 
 
