@@ -160,6 +160,7 @@ class Guard:
                                     "(Authorization: Bearer <key>)",
                                {"WWW-Authenticate": 'Bearer realm="llama-gateway"'})
             request["api_key"] = key.cfg.name
+            request["api_key_state"] = key  # model lists show only the key's models
             request["admin_auth"] = bool(key.cfg.admin)
             if key.cfg.priority is not None:
                 request["key_priority"] = key.cfg.priority

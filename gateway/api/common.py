@@ -93,3 +93,12 @@ async def start_stream(request: web.Request, content_type: str) -> web.StreamRes
         out.force_close()
     await out.prepare(request)
     return out
+
+
+def visible_entries(request: web.Request) -> list:
+    """The inventory entries the caller may use: all of them, or with an API key that names
+    its models (``auth.keys[].models``) only those, so ``/api/tags``, ``/api/ps`` and
+    ``/v1/models`` do not list models the key would get 403 for."""
+    entries = request.app["gw"].inventory.entries
+    key = request.get("api_key_state")
+    return list(entries) if key is None else [e for e in entries if key.allows_model(e.name)]

@@ -22,7 +22,7 @@ from aiohttp import web
 from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout
 from gateway.api.capabilities import model_capabilities, require
-from gateway.api.common import make_ticket, read_json, start_stream, t0_ns
+from gateway.api.common import make_ticket, read_json, start_stream, t0_ns, visible_entries
 from gateway.api.errors import BUSY_MESSAGE, ApiError, ollama_error
 from gateway.api.ollama_mapping import (
     CONTEXT_OVERFLOW_MESSAGE,
@@ -448,7 +448,7 @@ def _dumps(obj) -> str:
 async def tags(request: web.Request) -> web.Response:
     gw = _gw(request)
     models = []
-    for e in gw.inventory.entries:
+    for e in visible_entries(request):
         models.append({"name": e.name, "model": e.name, "modified_at": e.modified_at.isoformat(),
                        "size": e.size, "digest": e.digest, "details": e.details(),
                        "capabilities": await model_capabilities(gw, e)})
@@ -464,7 +464,7 @@ async def ps(request: web.Request) -> web.Response:
     """
     gw = _gw(request)
     models = []
-    for e in gw.inventory.entries:
+    for e in visible_entries(request):
         workers = [w for w in gw.fleet.supervisors.values() if w.spec.alias == e.name]
         gpu_workers = [w for w in workers if w.spec.gpus]
         models.append({

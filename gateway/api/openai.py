@@ -12,7 +12,7 @@ from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN
-from gateway.api.common import make_ticket, read_json, start_stream
+from gateway.api.common import make_ticket, read_json, start_stream, visible_entries
 from gateway.api.capabilities import require
 from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
 from gateway.logs import get_logger
@@ -193,7 +193,7 @@ def _model_obj(e) -> dict:
 
 async def models(request: web.Request) -> web.Response:
     gw = _gw(request)
-    return web.json_response({"object": "list", "data": [_model_obj(e) for e in gw.inventory.entries]},
+    return web.json_response({"object": "list", "data": [_model_obj(e) for e in visible_entries(request)]},
                              dumps=lambda o: orjson.dumps(o).decode())
 
 
@@ -201,7 +201,7 @@ async def model(request: web.Request) -> web.Response:
     gw = _gw(request)
     name = request.match_info["model"]
     e = gw.inventory.resolve(name)
-    if e is None:
+    if e is None or e not in visible_entries(request):
         return openai_error(404, f"model '{name}' not found")
     return web.json_response(_model_obj(e), dumps=lambda o: orjson.dumps(o).decode())
 

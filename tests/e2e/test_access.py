@@ -74,6 +74,20 @@ def test_model_not_allowed_403(secured):
     assert r.status_code == 403  # admin endpoints need an admin key
 
 
+def test_model_lists_show_only_the_keys_models(secured):
+    web = {"Authorization": f"Bearer {WEB}"}
+    names = lambda r: sorted(m["name"] for m in r.json()["models"])  # noqa: E731
+    assert names(httpx.get(secured.url + "/api/tags", headers=web)) == ["demo:latest"]
+    assert names(httpx.get(secured.url + "/api/ps", headers=web)) == ["demo:latest"]
+    oc = openai.OpenAI(base_url=secured.url + "/v1", api_key=WEB)
+    assert [m.id for m in oc.models.list()] == ["demo:latest"]
+    with pytest.raises(openai.NotFoundError):
+        oc.models.retrieve("other")
+    admin = {"Authorization": f"Bearer {ADMIN}"}  # a key without a model list sees all
+    assert names(httpx.get(secured.url + "/api/tags", headers=admin)) == ["demo:latest", "other:latest"]
+    assert [m.model for m in ollama.Client(host=secured.url, headers=web).list().models] == ["demo:latest"]
+
+
 def test_per_key_concurrency_and_rate(secured):
     h = {"Authorization": f"Bearer {LIMITED}"}
     body = {"model": "other", "prompt": "a", "raw": True, "stream": False,
