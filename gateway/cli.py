@@ -11,6 +11,7 @@ Verbs:
   hash-key [KEY|-]         print the SHA-256 to put in auth.keys[].sha256 (no KEY: a new
                            random key is generated and printed too; "-": read it from stdin)
   simulate                 simulated routing-quality comparison of scheduling policies
+  calibrate                measure one real llama-server and write a simulator profile (JSON)
 """
 
 from __future__ import annotations
@@ -60,9 +61,41 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("simulate", help="simulate scheduling policies on modelled GPUs")
     m.add_argument("--gpus", default="4,8", help="comma-separated fleet sizes")
     m.add_argument("--duration", type=float, default=120.0, help="simulated seconds per run")
-    m.add_argument("--profile", default="rtx6000ada-llama8b-q4")
+    m.add_argument("--profile", default="rtx6000ada-llama8b-q4",
+                   help="a built-in profile name or a calibration JSON file")
     m.add_argument("--png", default=None, help="write a plot of effective GPUs and TTFT p99")
+    cal = sub.add_parser("calibrate", help="measure one real llama-server, fit a simulator profile")
+    cal.add_argument("--out", default="docs/calibration/cpu-demo.json", help="JSON file to write")
+    cal.add_argument("--name", default="cpu-demo", help="profile name")
+    cal.add_argument("--slots", type=int, default=8, help="-np (rounds of more streams are skipped)")
+    cal.add_argument("--context", type=int, default=4096, help="context tokens per slot")
+    cal.add_argument("--threads", type=int, default=1, help="-t")
+    cal.add_argument("--repeats", type=int, default=7, help="rounds per measurement (median)")
+    cal.add_argument("--binary", default=None, help="llama-server (default: as serve finds it)")
+    cal.add_argument("--model", default=None, help="GGUF file (default: the demo model)")
     return p
+
+
+def _calibrate(args, argv: list[str]) -> int:
+    import orjson
+
+    from gateway.simulator.measure import calibrate, table
+    from workers.demo_model import ensure_demo_model
+    from workers.provision import ProvisionError, ensure_llama_server
+    try:
+        doc = calibrate(ensure_llama_server(args.binary),
+                        Path(args.model) if args.model else ensure_demo_model(),
+                        name=args.name, command=" ".join(["llama-gateway", *argv]), out=args.out,
+                        slots=args.slots, context=args.context, threads=args.threads,
+                        repeats=args.repeats)
+    except (ProvisionError, ValueError) as e:  # no binary; too few slots to fit a batch slope
+        sys.stderr.write(f"llama-gateway calibrate: {e}\n")
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
+    sys.stdout.write(table(doc) + f"\nwritten: {out}\n")
+    return 0
 
 
 def _admin(args) -> int:
@@ -179,11 +212,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if verb == "simulate":
         from gateway.simulator.report import markdown, plot, run_all
-        rows = run_all(tuple(int(x) for x in args.gpus.split(",")), args.duration, args.profile)
+        from gateway.simulator.worker import resolve_profile
+        try:
+            profile = resolve_profile(args.profile)
+        except ValueError as e:
+            sys.stderr.write(f"llama-gateway simulate: {e}\n")
+            return 2
+        rows = run_all(tuple(int(x) for x in args.gpus.split(",")), args.duration, profile)
         sys.stdout.write(markdown(rows))
         if args.png:
             plot(rows, args.png)
         return 0
+    if verb == "calibrate":
+        return _calibrate(args, sys.argv[1:] if argv is None else argv)
     if verb == "demo-model":
         from workers.demo_model import demo_model_path, ensure_demo_model, write_demo_model
         path = Path(args.path) if args.path else demo_model_path()

@@ -41,3 +41,18 @@ def test_missing_llama_server_binary(tmp_path, verb):
     assert r.returncode == 2, r.stderr
     assert f"{cfg}: llama_server.binary:" in r.stderr and "/nonexistent/llama-server" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_simulate_takes_a_calibration_file_as_profile(tmp_path):
+    prof = tmp_path / "cal.json"
+    prof.write_text('{"profile": {"name": "cal", "prefill_tps": 20000, "decode_s1": 0.0002, '
+                    '"batch_slope": 0.4, "attn_s_per_token": 1e-6}}')
+    r = run("simulate", "--gpus", "1", "--duration", "25", "--profile", str(prof))
+    assert r.returncode == 0, r.stderr
+    assert "| round_robin |" in r.stdout
+
+
+def test_simulate_refuses_an_unknown_profile():
+    r = run("simulate", "--gpus", "1", "--duration", "1", "--profile", "no-such-gpu")
+    assert r.returncode == 2
+    assert "unknown profile 'no-such-gpu'" in r.stderr and "Traceback" not in r.stderr

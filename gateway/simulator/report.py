@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.simulator.engine import Result, simulate
-from gateway.simulator.worker import PROFILES
+from gateway.simulator.worker import PROFILES, GpuProfile
 from gateway.simulator.workload import ClosedLoop, poisson, shared_prefix
 
 POLICY_RUNS = [  # label, policy, kwargs
@@ -46,9 +46,11 @@ def scenarios(duration_s: float):
     ]
 
 
-def run_all(gpus=(4, 8), duration_s: float = 120.0, profile: str = "rtx6000ada-llama8b-q4",
-            policies=POLICY_RUNS) -> list[Row]:
-    prof = PROFILES[profile]
+def run_all(gpus=(4, 8), duration_s: float = 120.0,
+            profile: str | GpuProfile = "rtx6000ada-llama8b-q4", policies=POLICY_RUNS) -> list[Row]:
+    """Every scenario × policy at each fleet size; ``profile``: a ``PROFILES`` name or a
+    ``GpuProfile`` (e.g. from ``GpuProfile.from_json``)."""
+    prof = PROFILES[profile] if isinstance(profile, str) else profile
     rows: list[Row] = []
     for n in gpus:
         for name, make, slots, warm in scenarios(duration_s):

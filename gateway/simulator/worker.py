@@ -20,6 +20,8 @@ scheduler never sends such a task.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
 
@@ -43,6 +45,33 @@ class GpuProfile:
     attn_s_per_token: float = 0.0
     source: str = ""
 
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "GpuProfile":
+        """The profile in a calibration file written by ``llama-gateway calibrate`` (its
+        ``profile`` object; a file holding only that object works too).
+
+        Raises:
+            ValueError: unreadable file, or a missing / non-positive figure (named)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: cannot read a profile: {e}") from None
+        p = doc.get("profile", doc) if isinstance(doc, dict) else None
+        if not isinstance(p, dict):
+            raise ValueError(f"{path}: expected a JSON object with a 'profile' object")
+        figures = {}
+        for key, low in (("prefill_tps", 0.0), ("decode_s1", 0.0), ("batch_slope", None),
+                         ("attn_s_per_token", None)):
+            v = p.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                    or (v <= low if low is not None else v < 0):
+                raise ValueError(f"{path}: profile.{key}: expected a "
+                                 f"{'positive' if low is not None else 'non-negative'} number, got {v!r}")
+            figures[key] = float(v)
+        return cls(str(p.get("name") or os.path.basename(path)), source=str(p.get("source") or path),
+                   **figures)
+
 
 PROFILES: dict[str, GpuProfile] = {
     # llama.cpp PR #19053 (github.com/ggml-org/llama.cpp/pull/19053, Feb 2026) perf table,
@@ -55,13 +84,27 @@ PROFILES: dict[str, GpuProfile] = {
     "rtx6000ada-llama3b-q4": GpuProfile("RTX 6000 Ada, Llama 3B Q4_K_M", 16148.9, 1 / 315.5,
                                         batch_slope=0.08, attn_s_per_token=1e-8,
                                         source="llama.cpp PR #19053 perf table"),
-    # NOT calibrated by a script yet: rough figures for the demo model on one core of this
-    # machine, from shared/reference/llama-server.md (about 16,000 tokens/s for one short
-    # request, about 10,000 tokens/s in total for 4 slots with 500-token outputs).
-    "cpu-demo": GpuProfile("CPU core, demo model (rough)", 16000.0, 1 / 2300.0,
-                           batch_slope=0.35, attn_s_per_token=1.5e-7,
-                           source="shared/reference/llama-server.md figures (not calibrated)"),
+    # Measured: docs/calibration/cpu-demo.json, written by `llama-gateway calibrate` (the same
+    # as tests/bench/calibrate.py): one llama-server, -t 1 -np 8, the demo model, on one core
+    # of the 2-core development machine; llama-server's own timings of streamed /completion
+    # requests, fitted by gateway/simulator/calibration.py (figures rounded to 3 digits).
+    "cpu-demo": GpuProfile("CPU core (-t 1), demo model", 21100.0, 0.000254,
+                           batch_slope=0.577, attn_s_per_token=1.00e-6,
+                           source="docs/calibration/cpu-demo.json (llama-gateway calibrate)"),
 }
+
+
+def resolve_profile(name_or_path: str) -> GpuProfile:
+    """A profile of ``PROFILES`` by name, else from a calibration JSON file at that path.
+
+    Raises:
+        ValueError: neither a known name nor a readable profile file."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    if not os.path.exists(name_or_path):
+        raise ValueError(f"unknown profile {name_or_path!r}: not one of {', '.join(PROFILES)} "
+                         "and no such file")
+    return GpuProfile.from_json(name_or_path)
 
 
 @dataclass

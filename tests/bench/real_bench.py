@@ -8,6 +8,9 @@
 2. Prefix affinity: a shared-system-prompt workload through the gateway with policy
    least_loaded+affinity vs round_robin vs least_loaded without affinity, counted by the
    workers' own ``llamacpp:prompt_tokens_cached_total``.
+
+Every scheduling policy (and an Ollama-like single runner) on the same real workers, beside
+the simulator's prediction, is ``tests/bench/real_policies.py``.
 """
 
 import argparse
