@@ -178,11 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{path}\n")
         return 0
     if verb == "simulate":
-        from gateway.simulator.report import markdown, plot, run_all
-        rows = run_all(tuple(int(x) for x in args.gpus.split(",")), args.duration, args.profile)
-        sys.stdout.write(markdown(rows))
+        from gateway.simulator.report import markdown, markdown_sweep, plot, run_all, run_sweep
+        gpus = tuple(int(x) for x in args.gpus.split(","))
+        rows = run_all(gpus, args.duration, args.profile)
+        sweep = run_sweep(gpus, args.duration, args.profile)
+        sys.stdout.write(markdown(rows) + markdown_sweep(sweep))
         if args.png:
-            plot(rows, args.png)
+            plot(rows, args.png, sweep)
         return 0
     if verb == "demo-model":
         from workers.demo_model import demo_model_path, ensure_demo_model, write_demo_model
