@@ -136,6 +136,7 @@ class Gateway:
         if self.fleet:
             self.fleet.config = new
             self.fleet.model_paths.update(paths)
+            self.fleet.model_kv.update({e.name: e.facts.kv for e in entries})
         self.inventory = Inventory(entries)
         if self.runner is not None and "guard" in self.runner.app:
             self.runner.app["guard"].update(new)  # API keys, CORS, Host rules
@@ -192,6 +193,7 @@ class Gateway:
             log.warning("gateway.stale_worker_reaped", pid=pid)
         plans = self.plans = plan_workers(cfg, detect_gpus())
         self.fleet = Fleet(cfg, binary, paths, self.admission, state_dir)
+        self.fleet.model_kv = {e.name: e.facts.kv for e in entries}
         self.fleet.build(plans)
         t = cfg.timeouts
         self.upstream = Upstream(self.admission, self.fleet.endpoint_of,

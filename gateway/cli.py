@@ -211,17 +211,19 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{path}\n")
         return 0
     if verb == "simulate":
-        from gateway.simulator.report import markdown, plot, run_all
+        from gateway.simulator.report import markdown, markdown_sweep, plot, run_all, run_sweep
         from gateway.simulator.worker import resolve_profile
         try:
             profile = resolve_profile(args.profile)
         except ValueError as e:
             sys.stderr.write(f"llama-gateway simulate: {e}\n")
             return 2
-        rows = run_all(tuple(int(x) for x in args.gpus.split(",")), args.duration, profile)
-        sys.stdout.write(markdown(rows))
+        gpus = tuple(int(x) for x in args.gpus.split(","))
+        rows = run_all(gpus, args.duration, profile)
+        sweep = run_sweep(gpus, args.duration, profile)
+        sys.stdout.write(markdown(rows) + markdown_sweep(sweep))
         if args.png:
-            plot(rows, args.png)
+            plot(rows, args.png, sweep)
         return 0
     if verb == "calibrate":
         return _calibrate(args, sys.argv[1:] if argv is None else argv)

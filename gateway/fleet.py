@@ -18,6 +18,7 @@ import aiohttp
 from gateway.admission import Admission
 from gateway.config import GatewayConfig, WorkerPlan
 from gateway.logs import get_logger
+from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
 from gateway.scheduling import make_scorer
 from gateway.sizing import SizeEstimate, estimate
 from gateway.upstream import Endpoint
@@ -59,6 +60,7 @@ class Fleet:
         self.upstream = None  # set by the gateway: streams of a worker that goes down are ended
         self.pollers: dict[str, WorkerPoller] = {}
         self.bytes_per_token: dict[str, float] = {}
+        self.model_kv: dict[str, dict] = {}  # full model name -> GGUF key/values (set by the app)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         sc = config.scheduler
@@ -82,12 +84,12 @@ class Fleet:
     def _add(self, plan: WorkerPlan, threads: int | None) -> WorkerSupervisor:
         ls = self.config.llama_server
         mcfg = next(m for m in self.config.models if m.full_name == plan.model)
+        args = list(ls.extra_args) + _model_args(mcfg)
         spec = LaunchSpec(worker_id=plan.id, binary=self.binary,
                           model_path=self.model_paths[plan.model], alias=plan.model,
                           gpus=plan.gpus, slots=plan.slots, context_per_slot=plan.context,
                           threads=threads if plan.is_cpu else None,
-                          embeddings=mcfg.embeddings,
-                          extra_args=list(ls.extra_args) + _model_args(mcfg))
+                          embeddings=mcfg.embeddings, extra_args=args)
         sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
                                startup_timeout_s=ls.startup_timeout_s,
                                backoff_initial_s=ls.restart_backoff_initial_s,
@@ -103,8 +105,11 @@ class Fleet:
                                failed_retry_s=ls.failed_retry_s)
         self.supervisors[plan.id] = sup
         self.plans[plan.id] = plan
-        self.admission.dispatcher.add_worker(plan.id, plan.model, plan.slots,
-                                             n_ctx=plan.context, kv_capacity=plan.total_context)
+        gguf = self.model_kv.get(plan.model, {})
+        kv_bytes = kv_bytes_from_gguf(gguf, str(gguf.get("general.architecture", "")), args)
+        self.admission.dispatcher.add_worker(
+            plan.id, plan.model, plan.slots, n_ctx=plan.context, kv_capacity=plan.total_context,
+            cache_tokens=worker_cache_tokens(plan.total_context, args, kv_bytes))
         sc = self.config.scheduler
         self.pollers[plan.id] = WorkerPoller(
             plan.id, lambda wid=plan.id: self.endpoint_of(wid),

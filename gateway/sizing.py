@@ -9,8 +9,11 @@ wrongly; the worker itself still refuses what slips through (llama-server
 ``exceed_context_size_error``, relayed as 400).
 
 The prefix key hashes the head of the prompt (system prompt and first messages, up to
-``scheduler.prefix_bytes`` bytes): requests sharing it are sent to the same worker (prefix
-affinity, gateway/scheduling/scorer.py).
+``scheduler.prefix_bytes`` bytes). The prefix chain hashes the prompt up to each of its
+boundaries (after each chat message; for a plain prompt after ``prefix_bytes`` × 1, 2, 4, …
+bytes and at its end), with the estimated tokens up to there: the next turn of a conversation
+repeats the previous turn's prompt, so its chain contains the previous turn's last key, and the
+scorer finds the worker that served it (prefix affinity, gateway/scheduling/scorer.py).
 """
 
 from __future__ import annotations
@@ -18,20 +21,52 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 REFUSE_SAFETY = 1.25
 _MSG_OVERHEAD_BYTES = 8  # chat template tokens per message (e.g. ChatML "<|im_start|>role\n")
+CHAIN_HEAD, CHAIN_TAIL = 4, 28  # prefix-chain boundaries kept: the first 4 and the last 28
+
+Chain = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
 class SizeEstimate:
     """prompt_tokens: estimated prompt tokens (for the up-front refusal, already divided by
     REFUSE_SAFETY); est_tokens: KV tokens the request may occupy (prompt + generation);
-    prefix_key: 64-bit hash of the prompt head, None when there is no prompt."""
+    prefix_key: 64-bit hash of the prompt head, None when there is no prompt;
+    prefix_chain: (64-bit key, estimated tokens) at each prompt boundary, shortest first."""
 
     prompt_tokens: int
     est_tokens: int
     prefix_key: int | None
+    prefix_chain: Chain = ()
+
+
+def prefix_chain(parts: Iterable[tuple[bytes, int]]) -> Chain:
+    """(key, tokens) after each part of a prompt: ``key`` hashes every part up to and including
+    this one (64-bit BLAKE2b, stable across processes), ``tokens`` adds up the parts' token
+    counts. Only the first ``CHAIN_HEAD`` and last ``CHAIN_TAIL`` boundaries are kept: the head
+    names a shared system prompt, the tail the latest turns of a conversation."""
+    h = hashlib.blake2b(digest_size=8)
+    out, tokens = [], 0
+    for data, n in parts:
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+        tokens += n
+        out.append((int.from_bytes(h.copy().digest(), "big"), tokens))
+    if len(out) > CHAIN_HEAD + CHAIN_TAIL:
+        out = out[:CHAIN_HEAD] + out[-CHAIN_TAIL:]
+    return tuple(out)
+
+
+def _doubling(n: int, first: int) -> list[int]:
+    """Boundaries ``first``, 2 × first, 4 × first … below ``n``, then ``n``."""
+    out, b = [], first
+    while b < n:
+        out.append(b)
+        b *= 2
+    return out + [n]
 
 
 def _text_of(content) -> str:
@@ -40,6 +75,35 @@ def _text_of(content) -> str:
     if isinstance(content, list):  # OpenAI content parts
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return ""
+
+
+def _chain_parts(body: dict, bytes_per_token: float, prefix_bytes: int) -> list[tuple[bytes, int]]:
+    """The parts ``prefix_chain`` hashes: one per chat message (role and text), else slices of
+    a plain prompt (string or token ids) at doubling boundaries."""
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        parts = []
+        for m in msgs:
+            if isinstance(m, dict):
+                b = str(m.get("role", "")).encode() + b"\0" + _text_of(m.get("content")).encode()
+                parts.append((b, math.ceil((len(b) + _MSG_OVERHEAD_BYTES) / bytes_per_token)))
+        return parts
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        data, per = prompt.encode(), 1 / bytes_per_token
+        first = prefix_bytes
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        data, per = prompt, 1.0
+        first = max(1, math.ceil(prefix_bytes / bytes_per_token))
+    else:
+        return []
+    parts, prev = [], 0
+    for b in _doubling(len(data), first):
+        chunk = data[prev:b]
+        parts.append((chunk if isinstance(chunk, bytes) else repr(chunk).encode(),
+                      math.ceil((b - prev) * per)))
+        prev = b
+    return parts
 
 
 def prompt_head_and_size(body: dict) -> tuple[bytes, int]:
@@ -83,4 +147,5 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
     key = None
     if flat:
         key = int.from_bytes(hashlib.blake2b(flat[:prefix_bytes], digest_size=8).digest(), "big")
-    return SizeEstimate(prompt_tokens=refuse, est_tokens=est, prefix_key=key)
+    chain = prefix_chain(_chain_parts(body, bytes_per_token, prefix_bytes))
+    return SizeEstimate(prompt_tokens=refuse, est_tokens=est, prefix_key=key, prefix_chain=chain)

@@ -31,3 +31,34 @@ def test_chat_prefix_key_shared_head():
     assert a.est_tokens > 5 and est({}).prefix_key is None
     parts = est({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab" * 50}]}]})
     assert parts.prompt_tokens > 0
+
+
+def test_chat_prefix_chain_finds_the_previous_turn():
+    sys_msg = {"role": "system", "content": "You are a pirate. " * 10}
+    turn1 = [sys_msg, {"role": "user", "content": "hi"}]
+    turn2 = turn1 + [{"role": "assistant", "content": "Arr."}, {"role": "user", "content": "more"}]
+    c1, c2 = est({"messages": turn1}).prefix_chain, est({"messages": turn2}).prefix_chain
+    assert len(c1) == 2 and len(c2) == 4
+    assert c2[:2] == c1  # turn 2's chain holds turn 1's last key, with the same tokens
+    assert [n for _, n in c2] == sorted(n for _, n in c2)
+    other = est({"messages": [sys_msg, {"role": "user", "content": "bye"}]}).prefix_chain
+    assert other[0] == c1[0] and other[1] != c1[1]  # same system prompt, other chat
+
+
+def test_long_chats_keep_head_and_tail_of_the_chain():
+    from gateway.sizing import CHAIN_HEAD, CHAIN_TAIL
+    msgs = [{"role": "user", "content": f"m{i}"} for i in range(100)]
+    full = est({"messages": msgs}).prefix_chain
+    assert len(full) == CHAIN_HEAD + CHAIN_TAIL
+    prev = est({"messages": msgs[:-2]}).prefix_chain
+    assert prev[-1] in full and prev[0] == full[0]
+
+
+def test_plain_prompt_chain_at_doubling_boundaries():
+    chain = est({"prompt": "y" * 1000}).prefix_chain  # prefix_bytes 64, 2 bytes per token
+    assert [n for _, n in chain] == [32, 64, 128, 256, 500]
+    longer = est({"prompt": "y" * 1000 + "z" * 100}).prefix_chain
+    assert longer[:4] == chain[:4] and longer[4] != chain[4]
+    tokens = est({"prompt": list(range(100))}).prefix_chain
+    assert [n for _, n in tokens] == [32, 64, 100]
+    assert est({"prompt": 5}).prefix_chain == ()

@@ -74,16 +74,17 @@ class Dispatcher:
 
     # ---- fleet -------------------------------------------------------------------------
     def add_worker(self, worker_id: str, model: str, slots: int, n_ctx: int = 0,
-                   kv_capacity: int = 0, speed: float = 1.0) -> WorkerView:
+                   kv_capacity: int = 0, speed: float = 1.0, cache_tokens: int = 0) -> WorkerView:
         """Register a worker (not ready yet). ``n_ctx``: per-slot context (tokens, 0 unknown);
-        ``kv_capacity``: the worker's whole KV cache (tokens, ``-c``; 0 unknown); ``speed``:
+        ``kv_capacity``: the worker's whole KV cache (tokens, ``-c``; 0 unknown);
+        ``cache_tokens``: prompt tokens it keeps cached (slots + host cache; 0 unknown); ``speed``:
         relative throughput. Raises ValueError if the id exists or slots < 1."""
         if worker_id in self.workers:
             raise ValueError(f"worker {worker_id!r} already registered")
         if slots < 1:
             raise ValueError("slots must be >= 1")
         w = WorkerView(id=worker_id, model=model, slots=slots, order=self._order, n_ctx=n_ctx,
-                       kv_capacity=kv_capacity, speed=speed)
+                       kv_capacity=kv_capacity, speed=speed, cache_tokens=cache_tokens)
         self._order += 1
         self.workers[worker_id] = w
         return w
@@ -93,9 +94,18 @@ class Dispatcher:
         w = self.workers.pop(worker_id, None)
         if w is not None:
             w.ready = False
+            self._forget_cache(worker_id)
+
+    def _forget_cache(self, worker_id: str) -> None:
+        """A worker that stopped lost its prompt cache: tell a scorer that remembers prefixes."""
+        forget = getattr(self.scorer, "forget", None)
+        if forget is not None:
+            forget(worker_id)
 
     def set_ready(self, worker_id: str, ready: bool) -> list[Dispatch]:
         w = self.workers[worker_id]
+        if w.ready and not ready:
+            self._forget_cache(worker_id)
         w.ready = ready
         return self.pump() if ready else []
 

@@ -22,6 +22,8 @@ class Ticket:
         prompt_tokens: estimated prompt tokens (0 if unknown); a prompt larger than every
             worker's per-slot context is refused up front (``Dispatcher.check_fits``).
         prefix_key: hash of the shared prompt prefix (system prompt / conversation head), or None.
+        prefix_chain: (hash, estimated tokens) of the prompt up to each of its boundaries (chat
+            messages), shortest first (``gateway.sizing.prefix_chain``); () if unknown.
         enqueued_at: clock seconds when it was admitted (set by the dispatcher).
         queue_timeout_s: longest wait in the queue, seconds; None = no limit.
         seq: admission order, for FIFO within a priority class.
@@ -32,6 +34,7 @@ class Ticket:
     priority: int = 0
     est_tokens: int = 0
     prefix_key: int | None = None
+    prefix_chain: tuple[tuple[int, int], ...] = ()
     queue_timeout_s: float | None = None
     prompt_tokens: int = 0
     enqueued_at: float = 0.0

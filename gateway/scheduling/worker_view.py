@@ -49,6 +49,8 @@ class WorkerView:
         order: position in the fleet, for stable tie-breaking.
         n_ctx: per-slot context (tokens), 0 = unknown (no per-slot check).
         kv_capacity: KV cells of the whole worker (tokens, llama-server ``-c``); 0 = unknown.
+        cache_tokens: prompt tokens the worker keeps cached, in its slots and its host prompt
+            cache (``gateway.prompt_cache.worker_cache_tokens``); 0 = unknown.
         speed: relative throughput (1.0 = fleet reference); mixed GPU models differ.
     """
 
@@ -60,6 +62,7 @@ class WorkerView:
     order: int = 0
     n_ctx: int = 0
     kv_capacity: int = 0
+    cache_tokens: int = 0
     speed: float = 1.0
     leases: set = field(default_factory=set)
     load: WorkerLoad = field(default_factory=WorkerLoad)

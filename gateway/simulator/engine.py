@@ -4,17 +4,42 @@ Events (time-ordered heap): request arrivals, worker step ends, telemetry polls 
 ``poll_interval_s``, feeding ``Dispatcher.update_load`` like the live poller), queue-timeout
 checks. A dispatch (``submit`` returning a lease, or the dispatches a release returns) hands
 the request to its worker at once; the gateway's own overhead is not modelled.
+
+Tickets carry what the live gateway computes from a request body (``gateway.sizing``): a head
+key over the prompt's first ``HEAD_TOKENS`` tokens (``scheduler.prefix_bytes`` = 512 bytes at
+4 bytes per token) and the prefix chain over its segments (one per chat message). Workers are
+registered with the cache size the live fleet derives (``gateway.prompt_cache``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from gateway.prompt_cache import DEFAULT_CACHE_RAM_MIB, worker_cache_tokens
 from gateway.scheduling import Dispatcher, QueueFull, Ticket, WorkerLoad, make_scorer
+from gateway.simulator.host_cache import Seq
 from gateway.simulator.worker import GpuProfile, SimWorker, Task
-from gateway.simulator.workload import ClosedLoop, Request
+from gateway.simulator.workload import ClosedLoop, Conversations, Request, distinct_prefix_tokens
+from gateway.sizing import Chain, prefix_chain
+
+HEAD_TOKENS = 128
+
+
+def ticket_keys(segments: Seq) -> tuple[int, Chain]:
+    """(head key, prefix chain) of a prompt, as ``gateway.sizing.estimate`` computes them from
+    a chat body: the head key hashes the content of the first ``HEAD_TOKENS`` tokens, the chain
+    one boundary per segment."""
+    head, n = [], 0
+    for sid, k in segments:
+        head.append(sid if n + k <= HEAD_TOKENS else (sid, HEAD_TOKENS - n))
+        n += k
+        if n >= HEAD_TOKENS:
+            break
+    key = int.from_bytes(hashlib.blake2b(repr(head).encode(), digest_size=8).digest(), "big")
+    return key, prefix_chain((repr(sid).encode(), k) for sid, k in segments)
 
 
 @dataclass
@@ -22,8 +47,13 @@ class Result:
     """Outcome of one run. Times in seconds, throughput in generated tokens/s.
 
     ``window``: (start, end) of the measured interval; throughput counts tokens generated
-    inside it. ``cached_ratio``: cached prompt tokens / all prompt tokens (the workers'
-    ``prompt_tokens_cached_total`` analogue)."""
+    inside it. ``cached_tokens`` / ``prompt_tokens``: prompt tokens taken from a cache / computed
+    (the workers' ``prompt_tokens_cached_total`` / ``prompt_tokens_total``), over the completed
+    requests that arrived after the warm-up, like the latencies; ``restored_tokens``: the
+    cached tokens restored from a host prompt cache. ``cached_ratio``: cached / all prompt
+    tokens. ``copy_s``: seconds the workers spent copying prompt states to and from the host.
+    ``working_set``: tokens the workload needs cached (``Conversations.working_set_tokens``,
+    or the distinct system prompts' tokens), when known."""
 
     policy: str
     tokens: int = 0
@@ -33,7 +63,10 @@ class Result:
     rejected: int = 0
     cached_tokens: int = 0
     prompt_tokens: int = 0
+    restored_tokens: int = 0
+    copy_s: float = 0.0
     completed: int = 0
+    working_set: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -71,31 +104,36 @@ class OracleScorer:
         return min(candidates, key=key)
 
 
-def simulate(requests: list[Request] | ClosedLoop, *, n_workers: int, profile: GpuProfile,
-             slots: int = 8, n_ctx: int = 4096, policy: str = "least_loaded",
-             affinity: bool = True, affinity_bound: float = 2.0, unified_kv: bool = False, single_runner: bool = False,
+def simulate(requests: list[Request] | ClosedLoop | Conversations, *, n_workers: int,
+             profile: GpuProfile, slots: int = 8, n_ctx: int = 4096, policy: str = "least_loaded",
+             affinity: bool = True, affinity_bound: float = 2.0, unified_kv: bool = False,
+             single_runner: bool = False, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
              poll_interval_s: float = 0.25, max_pending: int = 100_000,
              queue_timeout_s: float | None = None, warmup_s: float = 0.0,
              seed: int = 0) -> Result:
     """Run one simulation. ``policy``: a scheduler policy name, or "oracle" (see
     OracleScorer). ``single_runner``: the Ollama-like baseline, one runner on worker 0 only.
-    Returns a Result; throughput is measured from ``warmup_s`` to the last completion (open
-    loop) or to the closed loop's end."""
-    sims = {f"gpu{i}": SimWorker(f"gpu{i}", profile, slots, n_ctx, unified_kv)
+    ``cache_ram_mib``: the workers' ``--cache-ram``. Returns a Result; throughput is measured
+    from ``warmup_s`` to the last completion (open loop) or to the closed loop's end."""
+    sims = {f"gpu{i}": SimWorker(f"gpu{i}", profile, slots, n_ctx, unified_kv,
+                                 cache_ram_mib=cache_ram_mib)
             for i in range(1 if single_runner else n_workers)}
+    args = ["--cache-ram", str(cache_ram_mib)]
     now = [0.0]
     scorer = OracleScorer(sims) if policy == "oracle" else make_scorer(policy, affinity=affinity,
                                                                         affinity_bound=affinity_bound,
                                                                         seed=seed)
     d = Dispatcher(lambda: now[0], max_pending=max_pending, scorer=scorer)
     for wid, s in sims.items():
-        d.add_worker(wid, "m", slots, n_ctx=n_ctx, kv_capacity=s.kv_capacity)
+        d.add_worker(wid, "m", slots, n_ctx=n_ctx, kv_capacity=s.kv_capacity,
+                     cache_tokens=worker_cache_tokens(s.kv_capacity, args,
+                                                      profile.kv_bytes_per_token))
         d.set_ready(wid, True)
     res = Result(policy)
     seq = itertools.count()
     heap: list = []
     push = lambda t, kind, obj: heapq.heappush(heap, (t, next(seq), kind, obj))  # noqa: E731
-    closed = requests if isinstance(requests, ClosedLoop) else None
+    closed = requests if isinstance(requests, (ClosedLoop, Conversations)) else None
     for r in (closed.initial() if closed else requests):
         push(r.arrival, "arrive", r)
     push(poll_interval_s, "poll", None)
@@ -120,9 +158,11 @@ def simulate(requests: list[Request] | ClosedLoop, *, n_workers: int, profile: G
             s.busy_until = None
 
     def arrive(r: Request) -> None:
+        key, chain = ticket_keys(r.segments)
         t = Ticket(request_id=str(r.id), model="m", priority=r.priority,
                    est_tokens=min(n_ctx, r.prompt_tokens + r.output_tokens),
-                   prompt_tokens=0, prefix_key=r.prefix_key, queue_timeout_s=queue_timeout_s)
+                   prompt_tokens=0, prefix_key=key, prefix_chain=chain,
+                   queue_timeout_s=queue_timeout_s)
         tickets[t.seq] = r
         try:
             lease = d.submit(t)
@@ -150,12 +190,15 @@ def simulate(requests: list[Request] | ClosedLoop, *, n_workers: int, profile: G
                 res.completed += 1
                 if r.arrival >= warmup_s:
                     res.e2e.append(t - r.arrival)
+                    res.cached_tokens += task.cached
+                    res.restored_tokens += task.restored
+                    res.prompt_tokens += r.prompt_tokens - task.cached
                 for tk, lease in task.lease.release():
                     start(tk, lease)
                 if closed is not None:
                     nxt = closed.next(r.client, t)
                     if nxt is not None:
-                        push(t, "arrive", nxt)
+                        push(nxt.arrival, "arrive", nxt)
             schedule(s)
         elif kind == "poll":
             for wid, s in sims.items():
@@ -170,6 +213,9 @@ def simulate(requests: list[Request] | ClosedLoop, *, n_workers: int, profile: G
                 push(t + poll_interval_s, "poll", None)
     last = max((s.busy_until or 0.0) for s in sims.values())
     res.window = (warmup_s, end_of_work if end_of_work is not None else max(last, now[0]))
-    res.cached_tokens = sum(s.cached_total for s in sims.values())
-    res.prompt_tokens = sum(s.prompt_total for s in sims.values())
+    res.copy_s = sum(s.copy_s_total for s in sims.values())
+    if isinstance(requests, Conversations):
+        res.working_set = requests.working_set_tokens()
+    elif not closed:
+        res.working_set = distinct_prefix_tokens(requests)
     return res

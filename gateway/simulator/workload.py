@@ -7,8 +7,13 @@ Sources:
 - ``poisson``: Poisson arrivals with prompt/output lengths sampled from a trace or uniform.
 - ``shared_prefix``: Poisson arrivals where each request starts with one of a few long system
   prompts (Zipf popularity) followed by a short user part.
-- ``closed_loop``: N clients, each sends its next request when the previous one ends (the
+- ``Conversations``: multi-turn chats; each turn's prompt is the whole conversation so far.
+- ``ClosedLoop``: N clients, each sends its next request when the previous one ends (the
   "seed scenario": 100 concurrent requests, outputs uniform 10..1000 tokens).
+
+A request's prompt is a sequence of segments ``(content id, tokens)`` (system prompt, user
+message, earlier answer …): two prompts share a cached prefix as far as their segments are
+equal (``gateway.simulator.host_cache``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
+from gateway.simulator.host_cache import Seq
+
 DATA = Path(__file__).with_name("data")
 
 
@@ -27,17 +34,24 @@ DATA = Path(__file__).with_name("data")
 class Request:
     """One simulated request. Times in seconds (virtual), sizes in tokens.
 
-    ``prefix_key``/``prefix_tokens``: the shared head of the prompt (system prompt) and its
-    length; ``priority``: class for the gateway queue."""
+    ``segments``: the prompt's content, adding up to ``prompt_tokens`` (default: one segment of
+    its own); ``out_id``: content id of its answer (a later turn's prompt repeats it);
+    ``priority``: class for the gateway queue."""
 
     id: int
     arrival: float
     prompt_tokens: int
     output_tokens: int
-    prefix_key: int | None = None
-    prefix_tokens: int = 0
+    segments: Seq = ()
+    out_id: object = None
     priority: int = 0
     client: int = -1
+
+    def __post_init__(self):
+        if not self.segments:
+            self.segments = ((("u", self.id), self.prompt_tokens),)
+        if self.out_id is None:
+            self.out_id = ("o", self.id)
 
 
 def load_trace(name: str = "conv", limit: int | None = None) -> list[tuple[float, int, int]]:
@@ -83,12 +97,14 @@ def poisson(rate_per_s: float, duration_s: float, seed: int = 1,
 
 def shared_prefix(rate_per_s: float, duration_s: float, n_prefixes: int = 16,
                   prefix_len: tuple[int, int] = (1000, 2000), user_len: tuple[int, int] = (20, 200),
-                  out_len: tuple[int, int] = (50, 300), seed: int = 2) -> list[Request]:
-    """Poisson arrivals; each prompt = one of ``n_prefixes`` system prompts (Zipf s=1
-    popularity) + a user part; outputs uniform in ``out_len``."""
+                  out_len: tuple[int, int] = (50, 300), seed: int = 2,
+                  zipf_s: float = 1.0) -> list[Request]:
+    """Poisson arrivals; each prompt = one of ``n_prefixes`` system prompts (Zipf popularity
+    with exponent ``zipf_s``; 0 = all equally popular) + a user part; outputs uniform in
+    ``out_len``."""
     rng = random.Random(seed)
     plens = [rng.randint(*prefix_len) for _ in range(n_prefixes)]
-    weights = [1 / (k + 1) for k in range(n_prefixes)]
+    weights = [1 / (k + 1) ** zipf_s for k in range(n_prefixes)]
     out, t, i = [], 0.0, 0
     while True:
         t += rng.expovariate(rate_per_s)
@@ -96,9 +112,103 @@ def shared_prefix(rate_per_s: float, duration_s: float, n_prefixes: int = 16,
             return out
         k = rng.choices(range(n_prefixes), weights)[0]
         u = rng.randint(*user_len)
-        out.append(Request(i, t, plens[k] + u, rng.randint(*out_len), prefix_key=1000 + k,
-                           prefix_tokens=plens[k]))
+        out.append(Request(i, t, plens[k] + u, rng.randint(*out_len),
+                           segments=((("sys", k), plens[k]), (("u", i), u))))
         i += 1
+
+
+def distinct_prefix_tokens(requests: list[Request]) -> int:
+    """Tokens of the distinct first segments (system prompts) of ``requests``; 0 when no two
+    requests share one (nothing to cache across requests)."""
+    heads = dict(r.segments[0] for r in requests if r.segments)
+    return sum(heads.values()) if len(heads) < len(requests) else 0
+
+
+@dataclass
+class Conversations:
+    """Multi-turn chats, open loop in conversations, closed loop within each.
+
+    Conversations start as a Poisson process (``rate_per_s``) for ``duration_s``. Turn 1's prompt
+    is one of ``n_system`` system prompts (uniform in ``system_len`` tokens) followed by a user
+    message, together as long as a prompt of the Azure conv trace (``ContextTokens``, at least
+    20 tokens of user message); each later turn's prompt repeats the whole conversation so far
+    (every prompt and answer) and adds a user message uniform in ``user_len``. Answers are as
+    long as the trace's ``GeneratedTokens``. After each answer the user thinks for an
+    exponential time of mean ``think_s`` and goes on with probability ``1 - 1 / mean_turns``
+    (geometric number of turns), unless the next turn would not fit ``max_context``.
+
+    Sources and assumptions: mean turns 3.5 as in ShareGPT (3.51 turns per conversation,
+    ShareChat paper arXiv:2512.17843, table 1); Azure LLM inference trace 2023 (conv) lengths;
+    system prompts, user-message lengths and think time are assumptions.
+    """
+
+    rate_per_s: float
+    duration_s: float
+    n_system: int = 8
+    system_len: tuple[int, int] = (200, 800)
+    user_len: tuple[int, int] = (20, 200)
+    mean_turns: float = 3.5
+    think_s: float = 10.0
+    max_context: int = 4096
+    seed: int = 4
+
+    def __post_init__(self):
+        self.rng = random.Random(self.seed)
+        self.rows = load_trace("conv")
+        self.sys_len = [self.rng.randint(*self.system_len) for _ in range(self.n_system)]
+        self.n = 0
+        self.last: dict[int, Request] = {}          # conversation -> its latest turn
+        self.turn: dict[int, int] = {}
+        self._ctx: dict[int, tuple[float, int]] = {}  # conversation -> (answered at, tokens)
+        self._area = 0.0
+
+    def _answer_len(self) -> int:
+        return max(1, self.rng.choice(self.rows)[2])
+
+    def _request(self, conv: int, at: float, segments: Seq) -> Request:
+        self.n += 1
+        n = sum(k for _, k in segments)
+        return Request(self.n, at, n, self._answer_len(), segments=segments,
+                       out_id=("c", conv, "a", self.turn[conv]), client=conv)
+
+    def initial(self) -> list[Request]:
+        out, t, conv = [], 0.0, 0
+        while True:
+            t += self.rng.expovariate(self.rate_per_s)
+            if t >= self.duration_s:
+                return out
+            k = self.rng.randrange(self.n_system)
+            ctx = min(self.rng.choice(self.rows)[1], self.max_context // 2)
+            user = max(20, ctx - self.sys_len[k])
+            self.turn[conv] = 1
+            r = self._request(conv, t, ((("sys", k), self.sys_len[k]), (("c", conv, "u", 1), user)))
+            self.last[conv] = r
+            out.append(r)
+            conv += 1
+
+    def next(self, client: int, now: float) -> Request | None:
+        prev = self.last[client]
+        if client in self._ctx:
+            at, tokens = self._ctx[client]
+            self._area += tokens * (now - at)
+        self._ctx[client] = (now, prev.prompt_tokens + prev.output_tokens)
+        if now >= self.duration_s or self.rng.random() < 1 / self.mean_turns:
+            self._ctx.pop(client)
+            return None
+        self.turn[client] += 1
+        segs = prev.segments + ((prev.out_id, prev.output_tokens),
+                                (("c", client, "u", self.turn[client]), self.rng.randint(*self.user_len)))
+        r = self._request(client, now + self.rng.expovariate(1 / self.think_s), segs)
+        if r.prompt_tokens + r.output_tokens > self.max_context:
+            self._ctx.pop(client)
+            return None
+        self.last[client] = r
+        return r
+
+    def working_set_tokens(self) -> float:
+        """Time-averaged tokens of the conversations waiting for their next turn (prompt and
+        answer so far): what the workers must keep cached for the next turns to hit."""
+        return self._area / self.duration_s if self.duration_s else 0.0
 
 
 @dataclass

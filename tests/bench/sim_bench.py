@@ -1,4 +1,5 @@
-"""Simulated routing quality at 4 and 8 GPUs (not part of pytest; run by hand).
+"""Simulated routing quality at 4 and 8 GPUs, and the working-set sweep (not part of pytest;
+run by hand).
 
     python tests/bench/sim_bench.py [--duration 120] [--out docs/bench_sim.md] [--png docs/bench_sim.png]
 """
@@ -10,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gateway.simulator.report import markdown, plot, run_all  # noqa: E402
+from gateway.simulator.report import markdown, markdown_sweep, plot, run_all, run_sweep  # noqa: E402
 
 
 def main() -> int:
@@ -21,10 +22,12 @@ def main() -> int:
     ap.add_argument("--png", default="docs/bench_sim.png")
     a = ap.parse_args()
     t0 = time.time()
-    rows = run_all(tuple(int(x) for x in a.gpus.split(",")), a.duration)
-    md = markdown(rows)
+    gpus = tuple(int(x) for x in a.gpus.split(","))
+    rows = run_all(gpus, a.duration)
+    sweep = run_sweep(gpus, a.duration)
+    md = markdown(rows) + markdown_sweep(sweep)
     Path(a.out).write_text(md)
-    plot(rows, a.png)
+    plot(rows, a.png, sweep)
     sys.stdout.write(md + f"\n({time.time() - t0:.0f} s wall)\n")
     return 0
 

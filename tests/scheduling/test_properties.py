@@ -45,8 +45,11 @@ def test_invariants(ops, policy, slots, max_pending, unified):
     for op, a, b in ops:
         if op == "submit":
             n += 1
+            shared = a % 3 != 0  # most tickets share a prefix, so affinity and its index run
             tk = Ticket(request_id=str(n), model="m", priority=b, est_tokens=a % 450,
-                        queue_timeout_s=5.0 if a % 2 else None)
+                        queue_timeout_s=5.0 if a % 2 else None,
+                        prefix_key=a % 5 if shared else None,
+                        prefix_chain=((a % 5, 100), (a % 11, 100 + a % 300)) if shared else ())
             try:
                 lease = d.submit(tk)
             except QueueFull:

@@ -68,23 +68,65 @@ def test_too_large_prompt_refused_up_front():
     assert d.submit(t(prompt_tokens=100)) is not None
 
 
-def test_affinity_home_when_idle_spread_when_above_average():
-    d = mk(n=4, slots=4, affinity_bound=1.25)
-    key = 12345
+def conv(n_turns, sys_key=1, conv_id=7):
+    """Prefix chain of a chat: system prompt (500 tokens), then 600 tokens per later message."""
+    return ((sys_key, 500),) + tuple(((sys_key, conv_id, i), 500 + 600 * i) for i in range(1, n_turns))
+
+
+def test_cold_prefix_goes_by_load_with_rendezvous_ties():
+    d = mk(n=4, slots=4)
     ws = list(d.workers.values())
-    home, second = rendezvous_rank(key, ws)[:2]
-    a = d.submit(t(1, prefix_key=key))
-    assert a.worker is home  # idle fleet: home
-    b = d.submit(t(2, prefix_key=key))
-    assert b.worker is second  # home above average: the stable second choice
+    home = rendezvous_rank(12345, ws)[0]
+    assert d.submit(t(1, prefix_key=12345)).worker is home  # idle fleet: the tie goes home
+    d2 = mk(n=4, slots=4)
+    busy = d2.submit(t(0)).worker  # w0 busy
+    assert d2.submit(t(1, prefix_key=999)).worker is not busy  # a cold key costs no load
+
+
+def test_next_turn_follows_the_previous_turn_even_to_a_non_home_worker():
+    d = mk(n=4, slots=8)
+    hold = [d.submit(t(90 + i)) for i in range(2)]  # one busy slot on w0 and on w1
+    first = d.submit(t(1, prefix_key=1, prefix_chain=conv(2), est_tokens=1200))
+    assert first.worker.busy == 1  # placed by load
+    first.release()
+    # load the other workers a little: the turn still goes where turn 1 ran
+    extra = [d.submit(t(100 + i)) for i in range(4)]
+    nxt = d.submit(t(2, prefix_key=1, prefix_chain=conv(3), est_tokens=1800))
+    assert nxt.worker is first.worker
+    assert first.worker.id in ("w2", "w3") and hold and extra
+
+
+def test_load_allowance_grows_with_the_tokens_held():
+    d = mk(n=2, slots=8)
+    w0, w1 = d.workers["w0"], d.workers["w1"]
+    sc = d.scorer
+    sc.index.record("w0", conv(4), tokens=2500, capacity=100_000)  # w0 holds 2,300 tokens
+    leases = [d.submit(t(50 + i)) for i in range(6)]  # 3 + 3
+    for lease in [x for x in leases if x.worker is w1]:
+        lease.release()  # w0: 3 busy, w1: 0 busy
+    assert d.submit(t(1, prefix_key=1, prefix_chain=conv(5))).worker is w0  # 2,300 // 512 >= 3
+    # a head-key-only match (1 token) does not outweigh one busy slot
+    sc.index.record("w0", ((77, 1),), tokens=10, capacity=100_000)
+    assert d.submit(t(2, prefix_key=77)).worker is w1
+
+
+def test_two_slot_workers_affinity_only_breaks_ties():
+    """Field case 9: with 2 slots no worker idles while another runs two of the same prefix."""
+    d = mk(n=2, slots=2)
+    a = d.submit(t(1, prefix_key=5, prefix_chain=conv(3)))
+    b = d.submit(t(2, prefix_key=5, prefix_chain=conv(3)))
+    assert a.worker is not b.worker
+
+
+def test_a_worker_that_goes_down_is_forgotten():
+    d = mk(n=2, slots=8)
+    a = d.submit(t(1, prefix_key=1, prefix_chain=conv(2)))
     a.release()
-    b.release()
-    # moderate load: home at the fleet average keeps affinity
-    fill = [d.submit(t(10 + i)) for i in range(8)]  # 2 per worker
-    assert home.busy == 2
-    assert d.submit(t(3, prefix_key=key)).worker is home  # 0.5 <= 1.25 * 0.5
-    assert d.submit(t(4, prefix_key=key)).worker is not home  # 0.75 > 1.25 * 9/16
-    assert fill
+    assert d.scorer.index.cached_tokens(a.worker.id, conv(3), 10**6) == 1100
+    d.set_ready(a.worker.id, False)
+    d.set_ready(a.worker.id, True)
+    assert d.scorer.index.cached_tokens(a.worker.id, conv(3), 10**6) == 0
+    d.remove_worker(a.worker.id)  # no error for a forgotten worker
 
 
 def test_affinity_disabled_is_pure_least_loaded():
