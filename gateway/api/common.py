@@ -80,13 +80,22 @@ def t0_ns(request: web.Request) -> int:
     return request.get("t0_ns") or time.monotonic_ns()
 
 
+class _HeadWithFirstBytes(web.StreamResponse):
+    """A stream whose status line and headers leave in the same write as its first body bytes
+    (as aiohttp's ``web.Response`` does; for ``StreamResponse`` aiohttp 3.14 reads this class
+    attribute). Sent apart, the headers woke the client once on their own while the gateway
+    waited for the CPU back: about 0.2 ms of TTFT on the 2-core development machine."""
+
+    _send_headers_immediately = False
+
+
 async def start_stream(request: web.Request, content_type: str) -> web.StreamResponse:
     """Start a 200 streamed response with the no-buffering headers (field case 19).
 
     Chunked for HTTP/1.1 clients; an HTTP/1.0 client (nginx's default ``proxy_http_version``)
     gets the body delimited by connection close, since it cannot read chunked encoding.
     """
-    out = web.StreamResponse(status=200, headers={"Content-Type": content_type, **STREAM_HEADERS})
+    out = _HeadWithFirstBytes(status=200, headers={"Content-Type": content_type, **STREAM_HEADERS})
     if request.version >= (1, 1):
         out.enable_chunked_encoding()
     else:

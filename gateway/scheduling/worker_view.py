@@ -92,7 +92,11 @@ class WorkerView:
         and still shows their slots busy. Counting them steered new requests away from the
         worker that had just freed a slot (in the simulator this raised TTFT p99 on the Poisson
         trace from 1.04× to 1.26× the oracle's)."""
-        since = sum(1 for t in self.releases if t >= self.load.at)
+        since, at = 0, self.load.at
+        for t in reversed(self.releases):  # appended in clock order: count back to the poll
+            if t < at:
+                break
+            since += 1
         return max(0, min(self.slots - self.busy, self.load.processing - self.busy - since))
 
     @property

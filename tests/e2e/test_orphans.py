@@ -30,11 +30,13 @@ def test_sigkill_gateway_while_loading_and_serving_leaves_no_worker(tmp_path):
     # 1: while the workers load
     gw = start_gateway(tmp_path, cfg, wait=False)
     pids: set[int] = set()
+    ws: list[dict] = []
     end = time.monotonic() + 20
     while len(pids) < 2 and time.monotonic() < end:
-        pids = {w["pid"] for w in gw.workers() if w["pid"]}
-        time.sleep(0.02)
-    assert len(pids) == 2 and any(w["state"] == "starting" for w in gw.workers())
+        ws = gw.workers()  # one snapshot: pids and states seen together (the demo loads fast)
+        pids = {w["pid"] for w in ws if w["pid"]}
+        time.sleep(0.01)
+    assert len(pids) == 2 and any(w["state"] == "starting" for w in ws), ws
     gw.proc.kill()
     gw.proc.wait()
     assert _children_gone(pids), "llama-server survived a SIGKILLed gateway (loading)"
