@@ -17,7 +17,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from gateway.logs import get_logger
-from gateway.scheduling import Dispatcher, QueueFull, SlotLease, Ticket
+from gateway.scheduling import AllDrained, Dispatcher, QueueFull, SlotLease, Ticket
 
 log = get_logger("gateway.admission")
 
@@ -45,8 +45,12 @@ class Admission:
     def worker_ready(self, worker_id: str, ready: bool) -> None:
         self._deliver(self.dispatcher.set_ready(worker_id, ready))
 
-    def worker_draining(self, worker_id: str, draining: bool) -> None:
-        self._deliver(self.dispatcher.set_draining(worker_id, draining))
+    def worker_draining(self, worker_id: str, draining: bool, held: bool = False) -> None:
+        self._deliver(self.dispatcher.set_draining(worker_id, draining, held))
+        for t in self.dispatcher.drop_drained():  # their model has no worker left in rotation
+            fut = self._waiters.get(t)
+            if fut is not None and not fut.done():
+                fut.set_exception(AllDrained(t.model))
 
     def worker_slots(self, worker_id: str, slots: int) -> None:
         self._deliver(self.dispatcher.set_slots(worker_id, slots))
@@ -118,4 +122,4 @@ class Admission:
             self._expiry_task.cancel()
 
 
-__all__ = ["Admission", "QueueFull", "QueueTimeout"]
+__all__ = ["Admission", "AllDrained", "QueueFull", "QueueTimeout"]

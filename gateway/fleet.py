@@ -123,12 +123,13 @@ class Fleet:
         view = self.admission.dispatcher.workers.get(worker_id)
         return bool(view and view.draining)
 
-    def set_draining(self, worker_id: str, draining: bool) -> None:
+    def set_draining(self, worker_id: str, draining: bool, held: bool = False) -> None:
         """Take a worker out of (or back into) rotation; its running requests continue.
-        Raises KeyError for an unknown worker."""
+        ``held``: the operator's drain (when every worker of a model is held, its requests get
+        503 at once instead of waiting). Raises KeyError for an unknown worker."""
         if worker_id not in self.supervisors:
             raise KeyError(worker_id)
-        self.admission.worker_draining(worker_id, draining)
+        self.admission.worker_draining(worker_id, draining, held)
         log.info("worker.draining" if draining else "worker.undrained", worker=worker_id)
 
     async def drain(self, worker_id: str, timeout_s: float) -> int:

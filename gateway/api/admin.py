@@ -113,7 +113,7 @@ def _worker(request: web.Request):
 async def drain(request: web.Request) -> web.Response:
     _check_token(request)
     gw, sup = _worker(request)
-    gw.fleet.set_draining(sup.id, True)
+    gw.fleet.set_draining(sup.id, True, held=True)
     return _json({"worker": sup.id, "draining": True, "busy": gw.dispatcher.workers[sup.id].busy})
 
 

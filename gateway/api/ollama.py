@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from gateway import __version__
-from gateway.admission import QueueFull, QueueTimeout
+from gateway.admission import AllDrained, QueueFull, QueueTimeout
 from gateway.api.capabilities import model_capabilities, require
 from gateway.api.common import make_ticket, read_json, start_stream, t0_ns, visible_entries
 from gateway.api.errors import BUSY_MESSAGE, ApiError, ollama_error
@@ -234,6 +234,8 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                     await out.write(b"\n".join(lines))
                 if st.error:
                     break
+    except AllDrained as e:
+        return ollama_error(503, str(e), {"Retry-After": str(gw.config.queue.retry_after_s)})
     except QueueFull:
         return ollama_error(503, BUSY_MESSAGE, {"Retry-After": str(gw.config.queue.retry_after_s)})
     except QueueTimeout:

@@ -41,6 +41,17 @@ class QueueFull(Exception):
     """
 
 
+class AllDrained(Exception):
+    """Every worker of the ticket's model is drained by the operator (admin ``drain``): answered 503 at once
+    (and queued tickets of that model leave the queue) instead of waiting ``queue.timeout_s``
+    for a worker the operator took out of rotation. Workers that are starting or restarting
+    are not drained, so requests still wait for those."""
+
+    def __init__(self, model: str):
+        super().__init__(f"every worker of model '{model}' is drained; please try again later")
+        self.model = model
+
+
 class TooLarge(Exception):
     """The ticket's prompt estimate exceeds the per-slot context of every worker of its model.
 
@@ -109,9 +120,13 @@ class Dispatcher:
         w.ready = ready
         return self.pump() if ready else []
 
-    def set_draining(self, worker_id: str, draining: bool) -> list[Dispatch]:
+    def set_draining(self, worker_id: str, draining: bool, held: bool = False) -> list[Dispatch]:
+        """Take a worker out of rotation or back. ``held``: the operator's drain (admin API),
+        which counts for ``all_drained``; a reload or restart drains without it, and requests
+        wait for the worker to come back."""
         w = self.workers[worker_id]
         w.draining = draining
+        w.held = draining and held
         return [] if draining else self.pump()
 
     def set_slots(self, worker_id: str, slots: int) -> list[Dispatch]:
@@ -184,10 +199,24 @@ class Dispatcher:
             cands = self._candidates(ticket)
             if cands:
                 return self._grant(ticket, cands, now)
+        if self.all_drained(ticket.model):
+            raise AllDrained(ticket.model)
         if len(self.queue) >= self.max_pending:
             raise QueueFull(ticket.request_id)
         self.queue.push(ticket)
         return None
+
+    def all_drained(self, model: str) -> bool:
+        """True when ``model`` has workers and the operator drained every one of them."""
+        ws = [w for w in self.workers.values() if w.model == model]
+        return bool(ws) and all(w.draining and w.held for w in ws)
+
+    def drop_drained(self) -> list[Ticket]:
+        """Remove and return queued tickets whose model has only draining workers."""
+        gone = [t for t in self.queue if self.all_drained(t.model)]
+        for t in gone:
+            self.queue.remove(t)
+        return gone
 
     def cancel(self, ticket: Ticket) -> bool:
         """Remove a queued ticket (client gone). True if it was still queued."""

@@ -46,6 +46,7 @@ class WorkerView:
         slots: llama-server ``-np`` (concurrent requests it may hold).
         ready: True once ``/health`` answered 200 and until it exits or stalls.
         draining: True while an operator or a reload drains it: no new leases.
+        held: the draining is the operator's (admin drain), not a reload's or restart's.
         order: position in the fleet, for stable tie-breaking.
         n_ctx: per-slot context (tokens), 0 = unknown (no per-slot check).
         kv_capacity: KV cells of the whole worker (tokens, llama-server ``-c``); 0 = unknown.
@@ -59,6 +60,7 @@ class WorkerView:
     slots: int
     ready: bool = False
     draining: bool = False
+    held: bool = False  # drained by the operator (admin drain), not by a reload or restart
     order: int = 0
     n_ctx: int = 0
     kv_capacity: int = 0

@@ -175,6 +175,33 @@ def test_admin_token_drain_undrain_restart_and_cli_status(gateway_factory):
     assert bad.returncode == 1 and "HTTP 403: invalid admin token" in bad.stderr
 
 
+def test_every_worker_drained_answers_503_at_once_and_frees_the_queue(gateway_factory):
+    cfg = base_config(free_port(), admin={"token": "s3cret"}, queue={"timeout_s": 60})
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = gateway_factory(cfg)
+    admin = {"Authorization": "Bearer s3cret"}
+    long = {"model": "demo", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 2000}}
+    short = {"model": "demo", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 4}}
+    with cf.ThreadPoolExecutor(2) as ex:
+        running = ex.submit(httpx.post, gw.url + "/api/generate", json=long, timeout=120)
+        time.sleep(0.3)
+        queued = ex.submit(httpx.post, gw.url + "/v1/completions", timeout=120,
+                           json={"model": "demo", "prompt": "x", "max_tokens": 4})
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert httpx.post(gw.url + "/gateway/api/admin/workers/demo-cpu0/drain", headers=admin).status_code == 200
+        r = queued.result()
+        assert time.monotonic() - t0 < 5  # not the 60 s queue timeout
+        assert r.status_code == 503 and "drained" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"]
+        r = httpx.post(gw.url + "/api/generate", json=short, timeout=10)
+        assert r.status_code == 503 and r.json() == {
+            "error": "every worker of model 'demo:latest' is drained; please try again later"}
+        assert running.result().status_code == 200  # what already ran finishes
+    assert httpx.post(gw.url + "/gateway/api/admin/workers/demo-cpu0/undrain", headers=admin).status_code == 200
+    assert httpx.post(gw.url + "/api/generate", json=short, timeout=30).status_code == 200
+
+
 def test_access_log_one_event_per_request(gateway):
     r = httpx.post(gateway.url + "/api/generate", headers={"X-Request-ID": "rid-123", "X-Priority": "3"},
                    json={"model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 5}})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.scheduling import Dispatcher, QueueFull, Ticket
+from gateway.scheduling import AllDrained, Dispatcher, QueueFull, Ticket
 
 
 class FakeClock:
@@ -91,6 +91,24 @@ def test_not_ready_and_draining_get_nothing():
     assert d.submit(t(3)) is None  # w0 full, w1 draining
     out = d.set_draining("w1", False)
     assert out and out[0][1].worker.id == "w1"
+
+
+def test_all_drained_fails_fast_and_empties_the_queue_but_starting_workers_are_waited_for():
+    d, _ = mk(max_pending=10)
+    d.submit(t(1)), d.submit(t(2)), d.submit(t(3)), d.submit(t(4))
+    queued = t(5)
+    assert d.submit(queued) is None
+    d.set_draining("w0", True, held=True)
+    assert d.drop_drained() == []  # w1 is still in rotation
+    d.set_draining("w1", True)  # a reload's drain: requests wait for the new worker
+    assert d.drop_drained() == [] and len(d.queue) == 1
+    d.set_draining("w1", True, held=True)
+    assert d.drop_drained() == [queued] and len(d.queue) == 0
+    with pytest.raises(AllDrained, match="drained"):
+        d.submit(t(6))
+    d.set_draining("w0", False)
+    d.set_ready("w0", False)  # restarting, not drained: requests wait for it
+    assert d.submit(t(8)) is None
 
 
 def test_cancel_removes_from_queue():
