@@ -73,7 +73,8 @@ def _text_of(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(t for p in content if isinstance(p, dict)
+                       and isinstance(t := p.get("text"), str))
     return ""
 
 

@@ -49,6 +49,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                     (isinstance(c, list) and all(isinstance(p, dict) for p in c))):
                 raise ApiError(400, f"messages[{i}] must be an object with a string role and "
                                     f"string, null or content-part list content")
+            for j, part in enumerate(c if isinstance(c, list) else ()):
+                if part.get("type", "text") == "text" and not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content[{j}].text must be a string")
         if _has_image(body["messages"]):
             await require(gw, entry, "vision", name)
     if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
@@ -127,17 +130,21 @@ def _bound_max_tokens(gw, body: dict) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)
                               or not INT64_MIN <= v <= INT64_MAX):
             raise ApiError(400, f"{k} must be an integer, got {orjson.dumps(v).decode()[:40]}")
-    if "n_predict" in body:
-        np_ = body["n_predict"]
-        if gen.num_predict_max is not None and (np_ < 0 or np_ > gen.num_predict_max):
-            body["n_predict"] = gen.num_predict_max
-    key = "max_completion_tokens" if "max_completion_tokens" in body and "max_tokens" not in body \
-        else "max_tokens"
-    mt = body.get(key)
-    if mt is None and gen.num_predict_default > 0:
-        body[key] = mt = gen.num_predict_default
-    if gen.num_predict_max is not None and (not isinstance(mt, int) or mt < 0 or mt > gen.num_predict_max):
-        body[key] = gen.num_predict_max
+    # Whichever of the three keys llama-server ends up using, each present one is bounded
+    # (a null counts as absent); with none, max_tokens carries the default.
+    for k in ("max_tokens", "max_completion_tokens", "n_predict"):
+        if k in body and body[k] is None:
+            del body[k]
+    if not any(k in body for k in ("max_tokens", "max_completion_tokens", "n_predict")) \
+            and gen.num_predict_default > 0:
+        body["max_tokens"] = gen.num_predict_default
+    if gen.num_predict_max is not None:
+        for k in ("max_tokens", "max_completion_tokens", "n_predict"):
+            v = body.get(k)
+            if v is not None and (v < 0 or v > gen.num_predict_max):
+                body[k] = gen.num_predict_max
+        if not any(k in body for k in ("max_tokens", "max_completion_tokens", "n_predict")):
+            body["max_tokens"] = gen.num_predict_max
 
 
 def _sse(obj) -> bytes:

@@ -51,6 +51,15 @@ def test_n_predict_cannot_bypass_num_predict_max(gw):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens must be an integer")
     r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "demo", "messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["message"] == "messages must be a list of message objects"
+    # a second key, or a null, must not lift the cap either (found by a fresh tester)
+    for extra in ({"max_tokens": 5, "max_completion_tokens": 100000}, {"max_tokens": None},
+                  {"max_completion_tokens": 100000}):
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "demo", "messages": [{"role": "user", "content": "hi"}], **extra})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 10, extra
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "demo", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "messages[0].content[0].text must be a string"
 
 
 def test_embedding_batch_larger_than_queue_is_served(gw):
