@@ -184,6 +184,7 @@ class Upstream:
                     resp.close()
                 self.admission.release(lease)
                 if e.kind in RETRYABLE and attempt + 1 < self.attempts:
+                    ticket.avoid = ticket.avoid | {lease.worker.id}
                     log.warning("upstream.retry", request_id=ticket.request_id,
                                 worker=lease.worker.id, reason=e.message, attempt=attempt + 1)
                     last = e

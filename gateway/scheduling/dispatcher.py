@@ -166,8 +166,11 @@ class Dispatcher:
     # ---- requests ----------------------------------------------------------------------
     def _candidates(self, ticket: Ticket) -> list[WorkerView]:
         kv = getattr(self.scorer, "kv_aware", False)
-        return [w for w in self.workers.values()
-                if w.accepts(ticket.model) and (not kv or w.fits(ticket))]
+        cands = [w for w in self.workers.values()
+                 if w.accepts(ticket.model) and (not kv or w.fits(ticket))]
+        if ticket.avoid:  # a retry: another worker if one can take it now, else the same
+            return [w for w in cands if w.id not in ticket.avoid] or cands
+        return cands
 
     def _grant(self, ticket: Ticket, candidates: list[WorkerView], now: float) -> SlotLease:
         fleet = [w for w in self.workers.values()

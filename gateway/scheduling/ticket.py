@@ -27,6 +27,8 @@ class Ticket:
         enqueued_at: clock seconds when it was admitted (set by the dispatcher).
         queue_timeout_s: longest wait in the queue, seconds; None = no limit.
         seq: admission order, for FIFO within a priority class.
+        avoid: ids of workers this request already failed on before any response byte; a
+            retry goes to another worker when one can take it now.
     """
 
     request_id: str
@@ -39,6 +41,7 @@ class Ticket:
     prompt_tokens: int = 0
     enqueued_at: float = 0.0
     seq: int = field(default_factory=lambda: next(_seq))
+    avoid: frozenset[str] = frozenset()
 
     def deadline(self) -> float | None:
         """Clock seconds after which a still-queued ticket is expired, or None."""

@@ -52,12 +52,18 @@ def test_silent_worker_requests_move_elsewhere(tmp_path, gateway_factory):
     gw = gateway_factory(cfg)
     fake = wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")
     body = {"model": "demo", "prompt": "hi", "raw": True, "options": {"num_predict": 16}}
-    with cf.ThreadPoolExecutor(4) as ex:
-        futs = [ex.submit(stream_lines, gw.url + "/api/generate", body) for _ in range(4)]
-        results = [f.result(timeout=90) for f in futs]
-    for status, lines in results:
-        assert status == 200 and lines[-1].get("done") is True, lines[-1:]
-        assert lines[-1]["done_reason"] == "length"
+    # A retry avoids the worker it stalled on, so each wave puts at most a request or two on
+    # the silent worker; waves until it has stalled twice in a row and is restarted.
+    for _ in range(6):
+        with cf.ThreadPoolExecutor(4) as ex:
+            futs = [ex.submit(stream_lines, gw.url + "/api/generate", body) for _ in range(4)]
+            results = [f.result(timeout=90) for f in futs]
+        for status, lines in results:
+            assert status == 200 and lines[-1].get("done") is True, lines[-1:]
+            assert lines[-1]["done_reason"] == "length"
+        if '"worker.wedged"' in gw.log_path.read_text() or not any(
+                is_fake(w["pid"]) for w in gw.workers() if w["pid"]):
+            break
     assert "upstream.retry" in gw.log_path.read_text()
     w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == fake["id"]
                                and x["state"] == "ready" and x["pid"] != fake["pid"]), None),
@@ -66,6 +72,26 @@ def test_silent_worker_requests_move_elsewhere(tmp_path, gateway_factory):
     assert not pid_alive(fake["pid"])
     st = gw.status()
     assert st["queue"]["depth"] == 0 and all(x["busy"] == 0 for x in st["workers"])
+
+
+def test_a_retry_goes_to_another_worker_not_back_to_the_silent_one(tmp_path, gateway_factory):
+    """Case 10, found by a fresh tester: with prefix affinity a request's retries went back to
+    the silent worker it had just timed out on. Each request now needs at most one retry."""
+    binary = fake_binary(tmp_path, "silent", real=str(ensure_llama_server()))
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
+                                                  "wedge_after_stalls": 100},
+                      timeouts={"first_byte_s": 1.0})
+    gw = gateway_factory(cfg)
+    wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")
+    for i in range(4):
+        rid = f"retry-{i}"
+        r = httpx.post(gw.url + "/api/generate", headers={"X-Request-ID": rid}, timeout=60,
+                       json={"model": "demo", "prompt": f"seq {i}", "raw": True, "stream": False,
+                             "options": {"num_predict": 4}})
+        assert r.status_code == 200 and r.json()["done_reason"] == "length"
+        retries = [ln for ln in gw.log_path.read_text().splitlines()
+                   if '"upstream.retry"' in ln and f'"{rid}"' in ln]
+        assert len(retries) <= 1, retries
 
 
 def test_wedged_worker_streams_end_with_error_and_it_restarts(tmp_path, gateway_factory):

@@ -111,6 +111,18 @@ def test_all_drained_fails_fast_and_empties_the_queue_but_starting_workers_are_w
     assert d.submit(t(8)) is None
 
 
+def test_a_retry_avoids_the_worker_it_failed_on_unless_nothing_else_is_free():
+    d, _ = mk(n_workers=2, slots=1)
+    first = d.submit(t(1, prefix_key=7))
+    failed_on = first.worker.id
+    first.release()
+    retry = t(1, prefix_key=7, avoid=frozenset({failed_on}))
+    other = d.submit(retry)
+    assert other.worker.id != failed_on  # even against its prefix affinity
+    assert d.submit(t(2, avoid=frozenset({other.worker.id}))).worker.id == failed_on
+    assert d.submit(t(3, avoid=frozenset({failed_on}))) is None  # nothing free: it waits
+
+
 def test_cancel_removes_from_queue():
     d, _ = mk(n_workers=1, slots=1)
     d.submit(t(1))
