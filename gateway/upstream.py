@@ -31,7 +31,7 @@ from gateway.admission import Admission
 from gateway.logs import get_logger
 from gateway.scheduling import SlotLease, Ticket
 from gateway.watchdog import StreamWatch, Watchdog
-from gateway.worker_http import WorkerConnectionError, WorkerPayloadError, WorkerResponse, post
+from gateway.worker_http import WorkerConnectionError, WorkerPayloadError, WorkerResponse, send
 
 log = get_logger("gateway.upstream")
 
@@ -106,6 +106,7 @@ class Upstream:
         self.request_s = request_s
         self.attempts = attempts
         self.session: aiohttp.ClientSession | None = None
+        self._held: set[asyncio.Task] = set()  # see _hold_until_done
         self.watchdog = Watchdog(UpstreamError, first_byte_s=first_byte_s,
                                  inter_token_s=inter_token_s, client_write_s=client_write_s,
                                  write_buffer_bytes=write_buffer_bytes, on_stall=on_stall,
@@ -120,7 +121,32 @@ class Upstream:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              json_serialize=lambda o: orjson.dumps(o).decode())
 
+    def _hold_until_done(self, request_id: str, lease: SlotLease, resp: WorkerResponse,
+                         deadline: float) -> None:
+        """A non-streamed request whose client left (or timed out) before the answer: this
+        llama-server build does not notice a closed connection on a non-streamed request and
+        finishes the generation anyway (seen with a standalone worker; streamed requests stop
+        within ~0.5 s). So the slot stays leased, and the answer is read and dropped, until the
+        worker is done or the request deadline passes; only then is the slot given back, and
+        the scheduler never sends that worker more requests than it has slots."""
+        async def finish() -> None:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await resp.wait_head()
+                    await resp.read()
+            except (Exception, asyncio.CancelledError):
+                pass
+            finally:
+                resp.close()
+                self.admission.release(lease)
+                self._held.discard(task)
+        log.info("upstream.hold_abandoned", request_id=request_id, worker=lease.worker.id)
+        task = asyncio.get_running_loop().create_task(finish(), name=f"hold-{request_id}")
+        self._held.add(task)
+
     async def close(self) -> None:
+        for task in list(self._held):
+            task.cancel()
         self.watchdog.close()
         if self.session:
             await self.session.close()
@@ -162,9 +188,10 @@ class Upstream:
                 try:
                     host, port = ep.host_port
                     async with asyncio.timeout(wait_s):
-                        resp = await post(host, port, path, payload,
+                        resp = await send(host, port, path, payload,
                                           {"Authorization": f"Bearer {ep.api_key}",
                                            "Content-Type": "application/json"})
+                        await resp.wait_head()
                 except TimeoutError:
                     if time.monotonic() >= deadline - 0.01:
                         raise UpstreamError(504, "request deadline exceeded", "deadline") from None
@@ -192,9 +219,12 @@ class Upstream:
                     continue
                 raise
             except BaseException:
-                if resp is not None:
-                    resp.close()
-                self.admission.release(lease)
+                if resp is not None and not streamed and not resp.complete:
+                    self._hold_until_done(ticket.request_id, lease, resp, deadline)
+                else:
+                    if resp is not None:
+                        resp.close()
+                    self.admission.release(lease)
                 raise
             watch = StreamWatch(lease.worker.id, ticket.request_id, resp, t_sent, deadline,
                                 downstream)
@@ -203,8 +233,11 @@ class Upstream:
                 yield lease, resp
             finally:
                 self.watchdog.discard(watch)
-                resp.close()  # the worker sees the disconnect and frees the slot
-                self.admission.release(lease)
+                if not streamed and not resp.complete and watch.aborted is None:
+                    self._hold_until_done(ticket.request_id, lease, resp, deadline)
+                else:
+                    resp.close()  # the worker sees the disconnect and frees the slot
+                    self.admission.release(lease)
             return
         raise last or UpstreamError(502, "no worker answered")
 

@@ -183,31 +183,43 @@ class WorkerResponse:
     """A worker's answer. ``status`` (int), ``headers`` (lower-case name → value), ``content``
     (:class:`Body`). ``close()`` drops the connection, which tells the worker the client left."""
 
-    def __init__(self, conn: _Conn, status: int):
+    def __init__(self, conn: _Conn, status: int | None = None):
         self._conn = conn
-        self.status = status
+        self.status = status  # None until :meth:`wait_head`
         self.headers = conn.headers
         self.content = conn.body
+
+    async def wait_head(self) -> int:
+        """Wait for the status line and headers; returns the status. Raises
+        WorkerConnectionError as :func:`post`."""
+        if self.status is None:
+            self.status = await asyncio.shield(self._conn.head)
+        return self.status
+
+    @property
+    def complete(self) -> bool:
+        """True once the whole response has arrived (it may not all have been read yet)."""
+        return self._conn.complete
 
     async def read(self) -> bytes:
         """The whole body; errors as :meth:`Body.readany`."""
         return await self.content.read()
 
     def close(self) -> None:
+        if not self._conn.head.done():
+            self._conn.head.cancel()  # nobody will wait for these headers any more
         t = self._conn.transport
         if t is not None and not t.is_closing():
             t.close()
 
 
-async def post(host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
+async def send(host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
                connect_timeout_s: float = 5.0) -> WorkerResponse:
-    """POST ``body`` to ``http://host:port{path}`` on a new connection; returns once the
-    response headers are in (the body is read from ``response.content``).
+    """POST ``body`` to ``http://host:port{path}`` on a new connection and return at once; the
+    caller awaits ``response.wait_head()`` (and owns ``close()`` from here on).
 
     Raises WorkerConnectionError when the worker cannot be reached within
-    ``connect_timeout_s`` seconds or closes before sending headers. The caller bounds the wait
-    for the headers (``asyncio.timeout``); on cancellation the connection is closed.
-    """
+    ``connect_timeout_s`` seconds."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(connect_timeout_s):
@@ -222,9 +234,18 @@ async def post(host: str, port: int, path: str, body: bytes, headers: dict[str, 
     head += [f"{k}: {v}\r\n" for k, v in headers.items()]
     head.append("\r\n")
     transport.write("".join(head).encode("latin-1") + body)
+    return WorkerResponse(conn)
+
+
+async def post(host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
+               connect_timeout_s: float = 5.0) -> WorkerResponse:
+    """:func:`send`, then wait for the response headers (the body is read from
+    ``response.content``). Raises WorkerConnectionError when the worker cannot be reached or
+    closes before sending headers; on cancellation the connection is closed."""
+    resp = await send(host, port, path, body, headers, connect_timeout_s=connect_timeout_s)
     try:
-        status = await conn.head
+        await resp.wait_head()
     except BaseException:
-        transport.close()
+        resp.close()
         raise
-    return WorkerResponse(conn, status)
+    return resp

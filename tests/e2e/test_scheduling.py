@@ -178,6 +178,28 @@ def test_non_streaming_disconnect_frees_slot(gw1):
     assert gateway_state(gw1)["workers"][0]["busy"] == 0
 
 
+def test_non_streamed_v1_disconnect_keeps_the_slot_leased_until_the_worker_is_done(gw1):
+    """Found by a fresh tester: llama-server does not notice a closed connection on a
+    non-streamed request, so a /v1 stream:false request whose client left kept generating
+    while the gateway counted its slot free and sent the next request to a busy worker. The
+    gateway now holds the lease until the worker has finished that answer."""
+    w = gw1.workers()[0]
+    th, out = _post_in_thread(gw1.url + "/v1/chat/completions", {
+        "model": "demo", "max_tokens": 2500, "messages": [{"role": "user", "content": "go"}]}, 0.3)
+    th.join()
+    assert "error" in out
+    worker_busy = any(s.get("is_processing") for s in gw1.slots(w))
+    leased = gateway_state(gw1)["workers"][0]["busy"]
+    assert worker_busy, "the worker had already finished: the test did not exercise the hold"
+    assert leased == 1  # still generating: the gateway counts the slot as taken
+    # the slot comes back once the worker has finished that answer, and then serves the next
+    assert wait_until(lambda: gateway_state(gw1)["workers"][0]["busy"] == 0, 30)
+    assert not any(s.get("is_processing") for s in gw1.slots(w))
+    r = httpx.post(gw1.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "hi", "raw": True, "stream": False, "options": {"num_predict": 3}})
+    assert r.status_code == 200 and r.json()["eval_count"] == 3
+
+
 def test_priority_then_queue_timeout(gw1):
     """X-Priority: a later high-priority request is served before an earlier low one; a request
     that waits longer than queue.timeout_s gets 503 JSON."""
