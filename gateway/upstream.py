@@ -121,6 +121,19 @@ class Upstream:
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              json_serialize=lambda o: orjson.dumps(o).decode())
 
+    def _give_back(self, request_id: str, lease: SlotLease, resp: WorkerResponse | None,
+                   deadline: float, *, hold: bool) -> None:
+        """End a request's use of its slot. At once: close the response (the worker sees the
+        disconnect and frees the slot) and release the lease. With ``hold`` and an answer the
+        worker is still producing (a non-streamed request it will not abandon), only once the
+        worker is done (:meth:`_hold_until_done`)."""
+        if hold and resp is not None and not resp.complete:
+            self._hold_until_done(request_id, lease, resp, deadline)
+            return
+        if resp is not None:
+            resp.close()
+        self.admission.release(lease)
+
     def _hold_until_done(self, request_id: str, lease: SlotLease, resp: WorkerResponse,
                          deadline: float) -> None:
         """A non-streamed request whose client left (or timed out) before the answer: this
@@ -207,9 +220,7 @@ class Upstream:
                 if resp.status >= 400:
                     raise parse_error_body(resp.status, await resp.read())
             except UpstreamError as e:
-                if resp is not None:
-                    resp.close()
-                self.admission.release(lease)
+                self._give_back(ticket.request_id, lease, resp, deadline, hold=False)
                 if e.kind in RETRYABLE and attempt + 1 < self.attempts:
                     ticket.avoid = ticket.avoid | {lease.worker.id}
                     log.warning("upstream.retry", request_id=ticket.request_id,
@@ -219,12 +230,7 @@ class Upstream:
                     continue
                 raise
             except BaseException:
-                if resp is not None and not streamed and not resp.complete:
-                    self._hold_until_done(ticket.request_id, lease, resp, deadline)
-                else:
-                    if resp is not None:
-                        resp.close()
-                    self.admission.release(lease)
+                self._give_back(ticket.request_id, lease, resp, deadline, hold=not streamed)
                 raise
             watch = StreamWatch(lease.worker.id, ticket.request_id, resp, t_sent, deadline,
                                 downstream)
@@ -233,11 +239,8 @@ class Upstream:
                 yield lease, resp
             finally:
                 self.watchdog.discard(watch)
-                if not streamed and not resp.complete and watch.aborted is None:
-                    self._hold_until_done(ticket.request_id, lease, resp, deadline)
-                else:
-                    resp.close()  # the worker sees the disconnect and frees the slot
-                    self.admission.release(lease)
+                self._give_back(ticket.request_id, lease, resp, deadline,
+                                hold=not streamed and watch.aborted is None)
             return
         raise last or UpstreamError(502, "no worker answered")
 

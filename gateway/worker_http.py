@@ -191,7 +191,8 @@ class WorkerResponse:
 
     async def wait_head(self) -> int:
         """Wait for the status line and headers; returns the status. Raises
-        WorkerConnectionError as :func:`post`."""
+        WorkerConnectionError when the worker closed before sending them or sent no HTTP.
+        Cancelling the wait leaves the headers to a later call (``close()`` drops them)."""
         if self.status is None:
             self.status = await asyncio.shield(self._conn.head)
         return self.status
@@ -236,16 +237,3 @@ async def send(host: str, port: int, path: str, body: bytes, headers: dict[str, 
     transport.write("".join(head).encode("latin-1") + body)
     return WorkerResponse(conn)
 
-
-async def post(host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
-               connect_timeout_s: float = 5.0) -> WorkerResponse:
-    """:func:`send`, then wait for the response headers (the body is read from
-    ``response.content``). Raises WorkerConnectionError when the worker cannot be reached or
-    closes before sending headers; on cancellation the connection is closed."""
-    resp = await send(host, port, path, body, headers, connect_timeout_s=connect_timeout_s)
-    try:
-        await resp.wait_head()
-    except BaseException:
-        resp.close()
-        raise
-    return resp

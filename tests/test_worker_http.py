@@ -5,7 +5,18 @@ import asyncio
 
 import pytest
 
-from gateway.worker_http import HIGH_WATER_BYTES, WorkerConnectionError, WorkerPayloadError, post
+from gateway.worker_http import HIGH_WATER_BYTES, WorkerConnectionError, WorkerPayloadError, send
+
+
+async def post(host, port, path, body, headers):
+    """send, then the response headers, as gateway.upstream does (closing on failure)."""
+    resp = await send(host, port, path, body, headers)
+    try:
+        await resp.wait_head()
+    except BaseException:
+        resp.close()
+        raise
+    return resp
 
 
 async def serve(reply):

@@ -117,6 +117,10 @@ def _has_image(messages: list) -> bool:
 _GATEWAY_OWNED = ("id_slot",)
 
 
+#: The generation-budget keys llama-server reads (it prefers ``n_predict``).
+_BUDGET_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
+
+
 def _bound_max_tokens(gw, body: dict) -> None:
     """``max_tokens`` (or ``max_completion_tokens``) bounded by config.generation: the default
     when absent, the maximum when over it or unbounded. llama-server's own ``n_predict`` (which
@@ -125,26 +129,26 @@ def _bound_max_tokens(gw, body: dict) -> None:
     gen = gw.config.generation
     for k in _GATEWAY_OWNED:
         body.pop(k, None)
-    for k in ("max_tokens", "max_completion_tokens", "n_predict"):
+    for k in _BUDGET_KEYS:
         v = body.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)
                               or not INT64_MIN <= v <= INT64_MAX):
             raise ApiError(400, f"{k} must be an integer, got {orjson.dumps(v).decode()[:40]}")
     # Whichever of the three keys llama-server ends up using, each present one is bounded
     # (a null counts as absent); with none, max_tokens carries the default.
-    for k in ("max_tokens", "max_completion_tokens", "n_predict"):
+    for k in _BUDGET_KEYS:
         if k in body and body[k] is None:
             del body[k]
-    if not any(k in body for k in ("max_tokens", "max_completion_tokens", "n_predict")) \
-            and gen.num_predict_default > 0:
-        body["max_tokens"] = gen.num_predict_default
+    if not any(k in body for k in _BUDGET_KEYS):
+        if gen.num_predict_default > 0:
+            body["max_tokens"] = gen.num_predict_default
+        elif gen.num_predict_max is not None:
+            body["max_tokens"] = gen.num_predict_max
     if gen.num_predict_max is not None:
-        for k in ("max_tokens", "max_completion_tokens", "n_predict"):
+        for k in _BUDGET_KEYS:
             v = body.get(k)
             if v is not None and (v < 0 or v > gen.num_predict_max):
                 body[k] = gen.num_predict_max
-        if not any(k in body for k in ("max_tokens", "max_completion_tokens", "n_predict")):
-            body["max_tokens"] = gen.num_predict_max
 
 
 def _sse(obj) -> bytes:
