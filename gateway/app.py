@@ -225,6 +225,8 @@ class Gateway:
             t.cancel()
         if self.runner:
             await self.runner.cleanup()
+        if self.upstream:
+            self.upstream.spares.close()  # before the workers stop: nothing will use them
         if self.fleet:
             await self.fleet.stop()
         if self.upstream:

@@ -1,10 +1,10 @@
 """HTTP client side towards the workers: open a streamed request on a leased worker, read SSE.
 
 Field case 27: this llama-server build sometimes drops a reused keep-alive connection just as
-a client reuses it. The connector here therefore opens a fresh loopback connection per request
-(``force_close``; tried: pooling saved about 0.5 ms of gateway CPU per request but every user
-of the session then had to survive stale connections), and a request that fails before any
-response byte is retried (on a new lease, so possibly another worker) instead of reaching the
+a client reuses it. Every request therefore gets a fresh loopback connection (opened ahead of
+time when possible, ``gateway.worker_http.SpareConnections``; tried: pooling saved about 0.5 ms
+of gateway CPU per request but every user of the session then had to survive stale
+connections), and a request that fails before any response byte is retried (on a new lease, so possibly another worker) instead of reaching the
 user. Closing the response on exit is what tells the worker that a client went away.
 
 Time limits (field cases 6, 10, 11): waiting for the response headers (llama-server sends them
@@ -31,7 +31,8 @@ from gateway.admission import Admission
 from gateway.logs import get_logger
 from gateway.scheduling import SlotLease, Ticket
 from gateway.watchdog import StreamWatch, Watchdog
-from gateway.worker_http import WorkerConnectionError, WorkerPayloadError, WorkerResponse, send
+from gateway.worker_http import (SpareConnections, WorkerConnectionError, WorkerPayloadError,
+                                 WorkerResponse, send)
 
 log = get_logger("gateway.upstream")
 
@@ -107,6 +108,7 @@ class Upstream:
         self.attempts = attempts
         self.session: aiohttp.ClientSession | None = None
         self._held: set[asyncio.Task] = set()  # see _hold_until_done
+        self.spares = SpareConnections()
         self.watchdog = Watchdog(UpstreamError, first_byte_s=first_byte_s,
                                  inter_token_s=inter_token_s, client_write_s=client_write_s,
                                  write_buffer_bytes=write_buffer_bytes, on_stall=on_stall,
@@ -161,6 +163,7 @@ class Upstream:
         for task in list(self._held):
             task.cancel()
         self.watchdog.close()
+        self.spares.close()
         if self.session:
             await self.session.close()
 
@@ -203,7 +206,8 @@ class Upstream:
                     async with asyncio.timeout(wait_s):
                         resp = await send(host, port, path, payload,
                                           {"Authorization": f"Bearer {ep.api_key}",
-                                           "Content-Type": "application/json"})
+                                           "Content-Type": "application/json"},
+                                          spares=self.spares)
                         await resp.wait_head()
                 except TimeoutError:
                     if time.monotonic() >= deadline - 0.01:

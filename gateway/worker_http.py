@@ -14,6 +14,9 @@ still use aiohttp.
 Every request gets its own connection (``Connection: close``): this llama-server build drops a
 reused keep-alive connection now and then (field case 27), and closing the connection is how a
 worker learns that a client went away (it then frees the slot, shared/reference/llama-server.md).
+Connecting still costs about 0.2 ms of TTFT here, so :class:`SpareConnections` opens the next
+request's connection ahead of time, right after a request to that worker was sent; a spare is
+used once, never reused.
 
 The response object offers what the relays and the watchdog need, with aiohttp's names:
 ``status``, ``headers`` (lower-case names), ``read()``, ``close()`` and ``content`` with
@@ -23,7 +26,8 @@ The response object offers what the relays and the watchdog need, with aiohttp's
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Callable
 
 import httptools
 
@@ -122,8 +126,11 @@ class _Conn(asyncio.Protocol):
     """One connection: feeds the bytes to the llhttp parser, whose callbacks fill in status,
     headers and body."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, in_use: bool = True):
         self.parser = httptools.HttpResponseParser(self)
+        self.in_use = in_use  # False while a spare waits for its request
+        self.received = False
+        self.lost = False
         self.transport: asyncio.Transport | None = None
         self.headers: dict[str, str] = {}
         self.head: asyncio.Future = loop.create_future()
@@ -136,6 +143,7 @@ class _Conn(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -144,6 +152,10 @@ class _Conn(asyncio.Protocol):
                 self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if not self.in_use:  # a spare nobody sent a request on: nothing waits for it
+            self.head.cancel()
+            return
         if not self.head.done():
             self.head.set_exception(WorkerConnectionError(
                 f"connection closed before the response headers{f': {exc}' if exc else ''}"))
@@ -214,26 +226,101 @@ class WorkerResponse:
             t.close()
 
 
+class SpareConnections:
+    """At most one connected, never used connection per worker address, so that a request finds
+    its connection already open (saves the connect: about 0.2 ms of TTFT on the 2-core
+    development machine, README "Gateway overhead").
+
+    A spare is opened in the background right after a request to that address was sent, and
+    taken by the next request there. It is used once (``Connection: close`` like any other, so
+    field case 27, dropped *reused* connections, does not apply) and only while younger than
+    ``max_age_s`` seconds and untouched by the worker: cpp-httplib, llama-server's HTTP server,
+    closes a connection that sends nothing for ``CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND`` (5 s in
+    the pinned build, vendor/cpp-httplib/httplib.h). An idle worker therefore keeps no spare
+    past its last request's moment plus 5 s, and connects normally on its next request.
+    Each open spare holds one of the worker's HTTP threads while it waits (llama-server starts
+    ``n_parallel + 4`` of them and adds threads on demand, tools/server/server-http.cpp).
+    ``clock``: seconds, monotonic (injected by tests).
+    """
+
+    def __init__(self, max_age_s: float = 3.0, clock: Callable[[], float] = time.monotonic):
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self._spare: dict[tuple[str, int], tuple[float, asyncio.Transport, _Conn]] = {}
+        self._opening: dict[tuple[str, int], asyncio.Task] = {}
+        self._closed = False
+
+    def take(self, addr: tuple[str, int]) -> tuple[asyncio.Transport, _Conn] | None:
+        """The address's spare, now in use by the caller; None when there is none fit to use."""
+        got = self._spare.pop(addr, None)
+        if got is None:
+            return None
+        t0, transport, conn = got
+        if conn.lost or conn.received or transport.is_closing() or self.clock() - t0 > self.max_age_s:
+            transport.close()
+            return None
+        conn.in_use = True
+        return transport, conn
+
+    def refill(self, addr: tuple[str, int]) -> None:
+        """Open a spare for ``addr`` in the background unless one is open or being opened."""
+        if self._closed or addr in self._spare or addr in self._opening:
+            return
+        self._opening[addr] = asyncio.get_running_loop().create_task(self._open(addr))
+
+    async def _open(self, addr: tuple[str, int]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(5.0):
+                transport, conn = await loop.create_connection(
+                    lambda: _Conn(loop, in_use=False), *addr)
+        except (OSError, TimeoutError):
+            return  # the request path will connect (and report) itself
+        finally:
+            self._opening.pop(addr, None)
+        old = self._spare.get(addr)
+        if self._closed or old is not None:
+            transport.close()
+            return
+        self._spare[addr] = (self.clock(), transport, conn)
+
+    def close(self) -> None:
+        """Close every spare and stop opening new ones."""
+        self._closed = True
+        for task in self._opening.values():
+            task.cancel()
+        for _, transport, _ in self._spare.values():
+            transport.close()
+        self._spare.clear()
+
+
 async def send(host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
-               connect_timeout_s: float = 5.0) -> WorkerResponse:
-    """POST ``body`` to ``http://host:port{path}`` on a new connection and return at once; the
-    caller awaits ``response.wait_head()`` (and owns ``close()`` from here on).
+               connect_timeout_s: float = 5.0, spares: SpareConnections | None = None
+               ) -> WorkerResponse:
+    """POST ``body`` to ``http://host:port{path}`` on a new connection (the address's spare when
+    ``spares`` has one, which is then replaced in the background) and return at once; the caller
+    awaits ``response.wait_head()`` (and owns ``close()`` from here on).
 
     Raises WorkerConnectionError when the worker cannot be reached within
     ``connect_timeout_s`` seconds."""
-    loop = asyncio.get_running_loop()
-    try:
-        async with asyncio.timeout(connect_timeout_s):
-            transport, conn = await loop.create_connection(lambda: _Conn(loop), host, port)
-    except TimeoutError:
-        raise WorkerConnectionError(f"connect to {host}:{port} timed out "
-                                    f"({connect_timeout_s:g} s)") from None
-    except OSError as e:
-        raise WorkerConnectionError(f"cannot connect to {host}:{port}: {e}") from None
+    got = spares.take((host, port)) if spares is not None else None
+    if got is not None:
+        transport, conn = got
+    else:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                transport, conn = await loop.create_connection(lambda: _Conn(loop), host, port)
+        except TimeoutError:
+            raise WorkerConnectionError(f"connect to {host}:{port} timed out "
+                                        f"({connect_timeout_s:g} s)") from None
+        except OSError as e:
+            raise WorkerConnectionError(f"cannot connect to {host}:{port}: {e}") from None
     head = [f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n"
             f"Content-Length: {len(body)}\r\n"]
     head += [f"{k}: {v}\r\n" for k, v in headers.items()]
     head.append("\r\n")
     transport.write("".join(head).encode("latin-1") + body)
+    if spares is not None:
+        spares.refill((host, port))
     return WorkerResponse(conn)
-

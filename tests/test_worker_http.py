@@ -5,7 +5,8 @@ import asyncio
 
 import pytest
 
-from gateway.worker_http import HIGH_WATER_BYTES, WorkerConnectionError, WorkerPayloadError, send
+from gateway.worker_http import (HIGH_WATER_BYTES, SpareConnections, WorkerConnectionError,
+                                 WorkerPayloadError, send)
 
 
 async def post(host, port, path, body, headers):
@@ -166,3 +167,79 @@ async def test_a_slow_reader_pauses_the_worker_connection_and_loses_nothing():
         async for chunk in resp.content.iter_any():
             got += len(chunk)
         assert got == size
+
+
+async def serve_numbered(idle_close_s: float | None = None):
+    """A server that numbers its connections in accept order and answers each request with the
+    number of the connection it came on; one that sends nothing for ``idle_close_s`` is closed
+    (like cpp-httplib's keep-alive timeout). Returns (server, port, accepted, eofs): how many
+    connections were accepted, and the numbers of those that the client closed unused."""
+    accepted, eofs = [0], []
+
+    async def handle(reader, writer):
+        n = accepted[0]
+        accepted[0] += 1
+        try:
+            async with asyncio.timeout(idle_close_s):
+                head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, TimeoutError):
+            eofs.append(n)
+            writer.close()
+            return
+        length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0]
+                     .split(b":")[1])
+        await reader.readexactly(length)
+        body = str(n).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], accepted, eofs
+
+
+async def ask(port, spares):
+    resp = await send("127.0.0.1", port, "/x", b"{}", {}, spares=spares)
+    await resp.wait_head()
+    return int(await resp.read())
+
+
+async def test_the_next_request_goes_out_on_a_spare_opened_after_the_previous_one():
+    server, port, accepted, eofs = await serve_numbered()
+    spares = SpareConnections()
+    async with server:
+        assert await ask(port, spares) == 0
+        await asyncio.sleep(0.1)
+        assert accepted[0] == 2  # the request's own connection and the spare
+        assert await ask(port, spares) == 1  # sent on the spare, connected before it
+        assert await ask(port, spares) == 2
+        await asyncio.sleep(0.1)
+        spares.close()
+        await asyncio.sleep(0.1)
+        assert eofs == [3]  # the last spare, closed unused by close()
+        assert await ask(port, spares) == 4  # after close(): a fresh connection, no new spare
+        await asyncio.sleep(0.1)
+        assert accepted[0] == 5
+
+
+async def test_a_spare_past_its_age_or_closed_by_the_worker_is_not_used():
+    now = [0.0]
+    errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    server, port, accepted, eofs = await serve_numbered(idle_close_s=0.3)
+    spares = SpareConnections(max_age_s=3.0, clock=lambda: now[0])
+    async with server:
+        assert await ask(port, spares) == 0
+        await asyncio.sleep(0.1)
+        now[0] += 3.5  # older than max_age_s: dropped, the request connects itself
+        assert await ask(port, spares) == 2
+        await asyncio.sleep(0.1)
+        assert 1 in eofs
+        await asyncio.sleep(0.5)  # the worker closes the idle spare (connection 3) itself
+        assert 3 in eofs
+        assert await ask(port, spares) == 4
+        spares.close()
+    import gc
+    gc.collect()
+    await asyncio.sleep(0)
+    assert errors == []  # no "Future exception was never retrieved" for the dead spare

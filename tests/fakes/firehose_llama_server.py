@@ -2,7 +2,7 @@
 
 A real llama-server on this machine's CPU makes at most ~10,000 tokens/s, too slow to load the
 gateway's relay. This fake answers like llama-server (``/health``, ``/slots``, ``/metrics``,
-``/tokenize``, streaming ``/v1/chat/completions`` and ``/completion``, per-start key from
+``/props``, ``/tokenize``, streaming ``/v1/chat/completions`` and ``/completion``, per-start key from
 ``LLAMA_API_KEY``) but sends each answer as a pre-recorded SSE body of ``n_predict`` one-token
 events, written in large blocks as fast as the socket takes them.
 
@@ -54,6 +54,10 @@ def main(argv: list[str]) -> None:
     async def metrics(request):
         return web.Response(text="llamacpp:requests_processing 0\nllamacpp:requests_deferred 0\n")
 
+    async def props(request):  # what the gateway reads: the chat template and vision support
+        return web.json_response({"chat_template": "{{ messages }}", "modalities": {"vision": False},
+                                  "default_generation_settings": {"n_ctx": n_ctx}})
+
     async def tokenize(request):
         body = await request.json()
         return web.json_response({"tokens": list(range(max(1, len(body.get("content", "")) // 4)))})
@@ -104,7 +108,8 @@ def main(argv: list[str]) -> None:
 
     app = web.Application(middlewares=[key_auth(key)])
     app.add_routes([web.get("/health", health), web.get("/slots", slots),
-                     web.get("/metrics", metrics), web.post("/tokenize", tokenize),
+                     web.get("/metrics", metrics), web.get("/props", props),
+                     web.post("/tokenize", tokenize),
                      web.post("/v1/chat/completions", chat), web.post("/completion", completion)])
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
 
