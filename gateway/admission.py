@@ -7,6 +7,11 @@
 
 The lease is released in ``finally`` whatever happens (success, error, client disconnect,
 cancellation), and each release hands freed slots to waiting requests at once.
+
+Requests that no worker can take without an operator or the supervisor's next try are not left
+to wait ``queue.timeout_s``: ``acquire`` raises an ``Unavailable`` (gateway.scheduling.refusals)
+at once, and queued ones get it as soon as the fleet event that caused it arrives (operator
+drain, crash-loop ``failed``, reload removal, shutdown).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import time
 from typing import AsyncIterator, Callable
 
 from gateway.logs import get_logger
-from gateway.scheduling import AllDrained, Dispatcher, QueueFull, SlotLease, Ticket
+from gateway.scheduling import (AllDrained, Dispatcher, QueueFull, ShuttingDown, SlotLease, Ticket,
+                                Unavailable)
 
 log = get_logger("gateway.admission")
 
@@ -40,6 +46,7 @@ class Admission:
         self._waiters: dict[Ticket, asyncio.Future] = {}
         self._expiry_task: asyncio.Task | None = None
         self.listeners: list[Callable[[], None]] = []
+        self.shutting_down = False  # set by ``shut_down``: every request is refused
 
     # ---- fleet events ----------------------------------------------------------------------
     def worker_ready(self, worker_id: str, ready: bool) -> None:
@@ -47,10 +54,39 @@ class Admission:
 
     def worker_draining(self, worker_id: str, draining: bool, held: bool = False) -> None:
         self._deliver(self.dispatcher.set_draining(worker_id, draining, held))
-        for t in self.dispatcher.drop_drained():  # their model has no worker left in rotation
-            fut = self._waiters.get(t)
-            if fut is not None and not fut.done():
-                fut.set_exception(AllDrained(t.model))
+        self.refuse_queued()
+
+    def worker_failed(self, worker_id: str, failed: bool, retry_at: float | None = None) -> None:
+        """The supervisor entered (or left) crash-loop ``failed``; ``retry_at``: ``time.monotonic``
+        seconds of its next start. When no worker of the model is left, its queued requests get
+        ``AllFailed`` now."""
+        self._deliver(self.dispatcher.set_failed(worker_id, failed, retry_at))
+        self.refuse_queued()
+
+    def refuse_queued(self) -> None:
+        """Answer the queued requests that the dispatcher now refuses (``Dispatcher.refusal``)
+        with why; called after every fleet change that can cause one (and after a reload)."""
+        for t, why in self.dispatcher.drop_refused():
+            self._fail(t, why)
+
+    def refusal(self, model: str) -> Unavailable | None:
+        """Why a request for ``model`` would be refused now (shutdown first), or None."""
+        return ShuttingDown(model) if self.shutting_down else self.dispatcher.refusal(model)
+
+    def shut_down(self) -> int:
+        """The gateway stops: every queued request gets ``ShuttingDown`` now, and so does every
+        later ``acquire``. Returns how many queued requests were answered."""
+        self.shutting_down = True
+        queued = list(self.dispatcher.queue)
+        for t in queued:
+            self.dispatcher.cancel(t)
+            self._fail(t, ShuttingDown(t.model))
+        return len(queued)
+
+    def _fail(self, ticket: Ticket, error: Exception) -> None:
+        fut = self._waiters.get(ticket)
+        if fut is not None and not fut.done():
+            fut.set_exception(error)
 
     def worker_slots(self, worker_id: str, slots: int) -> None:
         self._deliver(self.dispatcher.set_slots(worker_id, slots))
@@ -65,8 +101,11 @@ class Admission:
 
     # ---- requests ----------------------------------------------------------------------------
     async def acquire(self, ticket: Ticket) -> SlotLease:
-        """Wait for a slot. Raises ``QueueFull`` at once, ``QueueTimeout`` after the ticket's
-        queue timeout; on cancellation the ticket leaves the queue immediately."""
+        """Wait for a slot. Raises ``QueueFull`` or an ``Unavailable`` at once (also later,
+        while queued, when the fleet changes), ``QueueTimeout`` after the ticket's queue
+        timeout; on cancellation the ticket leaves the queue immediately."""
+        if self.shutting_down:
+            raise ShuttingDown(ticket.model)
         lease = self.dispatcher.submit(ticket)
         if lease is not None:
             return lease
@@ -113,13 +152,11 @@ class Admission:
         while self._waiters:
             await asyncio.sleep(self.expire_interval_s)
             for t in self.dispatcher.expire():
-                fut = self._waiters.get(t)
-                if fut is not None and not fut.done():
-                    fut.set_exception(QueueTimeout(t.request_id))
+                self._fail(t, QueueTimeout(t.request_id))
 
     def close(self) -> None:
         if self._expiry_task:
             self._expiry_task.cancel()
 
 
-__all__ = ["Admission", "AllDrained", "QueueFull", "QueueTimeout"]
+__all__ = ["Admission", "AllDrained", "QueueFull", "QueueTimeout", "Unavailable"]

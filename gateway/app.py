@@ -142,10 +142,9 @@ class Gateway:
             self.runner.app["guard"].update(new)  # API keys, CORS, Host rules
 
     def forget_unserved(self) -> None:
-        """Answer queued requests of models no longer served (503 via the queue timeout)."""
-        for t in self.dispatcher.queue:
-            if not self.dispatcher.serves(t.model):
-                t.queue_timeout_s = 0.0
+        """After a reload: queued requests of models it removed get 404 ``model '…' not found
+        (removed …)`` now (``ModelRemoved``)."""
+        self.admission.refuse_queued()
 
     # ---- live status -------------------------------------------------------------------------
     def _last_sample(self, worker_id: str):

@@ -480,7 +480,8 @@ class QueueConfig(_Section):
     timeout_s: PositiveFloat = 600.0
     """Longest wait (s) in the gateway queue before answering 503."""
     retry_after_s: PositiveInt = 2
-    """Seconds sent in the Retry-After header of 503 answers."""
+    """Seconds sent in the Retry-After header of 503 answers (the refusal for crash-loop
+    ``failed`` workers sends the seconds to their next start instead)."""
 
 
 class SchedulerConfig(_Section):

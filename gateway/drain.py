@@ -6,8 +6,9 @@ Sequence (field case 17; each step is logged):
    closed, so new connections are refused; a request that still arrives on an open connection
    is answered 503 with ``Connection: close`` (middleware).
 2. Requests already accepted (running or queued) get up to ``shutdown.drain_s`` seconds.
-3. What is left then: queued requests are answered 503 (their queue timeout is set to now);
-   running ones end when the workers stop: the worker stream breaks and the API handlers end
+3. What is left then: queued requests are answered 503 at once, in their API's shape, with
+   ``server shutting down, please try again: …`` (``ShuttingDown``; so are requests that still
+   reach admission); running ones end when the workers stop: the worker stream breaks and the API handlers end
    it with an ``{"error": ...}`` line (NDJSON) or an error event (SSE), or a JSON 502 when
    nothing was sent yet.
 4. Workers stop: SIGTERM, ``llama_server.stop_grace_s``, SIGKILL, reaped.
@@ -61,11 +62,9 @@ async def graceful_stop(gw: "Gateway") -> None:
         await stop_accepting(gw)
         left = await _wait_idle(gw, drain_s)
         if left:
-            queued = list(gw.dispatcher.queue)
-            log.warning("gateway.drain_timeout", still_running=left, queued=len(queued),
-                        drain_s=drain_s)
-            for t in queued:  # answered 503 by the admission expiry loop
-                t.queue_timeout_s = 0.0
+            log.warning("gateway.drain_timeout", still_running=left,
+                        queued=len(gw.dispatcher.queue), drain_s=drain_s)
+            gw.admission.shut_down()  # queued ones: 503 "server shutting down" now
         else:
             log.info("gateway.drained", s=round(time.monotonic() - t0, 3))
         gw.notifier.status("stopping workers")

@@ -91,6 +91,7 @@ class Fleet:
                           threads=threads if plan.is_cpu else None,
                           embeddings=mcfg.embeddings, extra_args=args)
         sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
+                               on_state=self._on_state,
                                startup_timeout_s=ls.startup_timeout_s,
                                backoff_initial_s=ls.restart_backoff_initial_s,
                                backoff_max_s=ls.restart_backoff_max_s,
@@ -199,6 +200,13 @@ class Fleet:
         self.admission.worker_ready(sup.id, False)
         if self.upstream is not None:
             self.upstream.abort_worker(sup.id, reason)
+
+    def _on_state(self, sup: WorkerSupervisor) -> None:
+        """Tell admission whether the worker is crash-loop ``failed`` (when every worker of a
+        model is, its requests are refused at once instead of waiting). A supervisor that was
+        already replaced (restart) is ignored."""
+        if self.supervisors.get(sup.id) is sup:
+            self.admission.worker_failed(sup.id, sup.state == "failed", sup.retry_at)
 
     def note_stall(self, worker_id: str) -> None:
         """Watchdog: a request on this worker stalled (liveness evidence)."""

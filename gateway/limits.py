@@ -20,6 +20,7 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError, context_overflow
 from gateway.logs import get_logger
+from gateway.scheduling import Unavailable
 from gateway.upstream import UpstreamError
 from gateway.worker_calls import tokenize
 
@@ -113,4 +114,6 @@ async def _count_tokens(gw, model: str, text: str) -> int | None:
         return len(await tokenize(gw, model, text, wait_s=1.0))
     except UpstreamError as e:
         log.info("limits.tokenize_failed", model=model, error=e.message)
+        return None
+    except Unavailable:  # no worker can take it: admission answers with why
         return None

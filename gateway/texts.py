@@ -12,3 +12,35 @@ def context_overflow(prompt_tokens: int, n_ctx: int, approx: bool = False) -> st
     about = "about " if approx else ""
     return (f"{CONTEXT_OVERFLOW_MESSAGE} (prompt: {about}{prompt_tokens} tokens, "
             f"context per slot: {n_ctx} tokens)")
+
+
+def all_drained(model: str) -> str:
+    """Every worker of ``model`` was drained by the operator (admin ``drain``)."""
+    return f"every worker of model '{model}' is drained; please try again later"
+
+
+def workers_failed(model: str, retry_in_s: int | None, drained: int = 0) -> str:
+    """Every worker of ``model`` is in the supervisor's crash-loop ``failed`` state (``drained``
+    of them, if any, are also drained by the operator). ``retry_in_s``: seconds until the
+    supervisor's next automatic start (None: none scheduled)."""
+    also = f" ({drained} of them drained by the operator)" if drained else ""
+    when = (f"the gateway tries to start them again in {retry_in_s} s"
+            if retry_in_s is not None else "no automatic restart is scheduled")
+    return (f"model '{model}' is unavailable: every worker of it failed{also} (crash loop: it "
+            f"keeps exiting or cannot start, see the gateway log); {when}, or an operator can "
+            f"restart one now (llama-gateway worker restart ID)")
+
+
+# The middleware's answer to a request that arrives after shutdown began (gateway/middleware.py).
+SHUTTING_DOWN_MESSAGE = "server shutting down, please try again"
+
+
+def shutting_down_queued() -> str:
+    """A queued request still waiting when the gateway's shutdown drain time ran out."""
+    return (f"{SHUTTING_DOWN_MESSAGE}: the gateway is shutting down and stopped before a worker "
+            f"slot became free for this request")
+
+
+def model_removed(model: str) -> str:
+    """A request for ``model`` after a config reload removed it (every worker stopped)."""
+    return f"model '{model}' not found (removed from the gateway's config by a reload)"

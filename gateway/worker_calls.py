@@ -37,15 +37,21 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
                     wait_s: float | None = None, timeout_s: float = 30.0) -> dict:
     """POST ``body`` (GET when None) to ``path`` on a ready worker of ``model``; the JSON reply.
 
-    Waits up to ``wait_s`` seconds (default: the queue timeout) for a worker to become ready.
-    Raises UpstreamError: 503 when no worker is ready in time, the worker's status and message
-    when it answered an error, 502 on a transport fault.
+    Waits up to ``wait_s`` seconds (default: the queue timeout) for a worker to become ready,
+    unless none can become ready without an operator (every worker drained or crash-loop
+    ``failed``, the model removed, the gateway shutting down): then it raises that
+    ``Unavailable`` at once, as admission would. Raises UpstreamError: 503 when no worker is
+    ready in time, the worker's status and message when it answered an error, 502 on a
+    transport fault.
     """
     deadline = time.monotonic() + (gw.config.queue.timeout_s if wait_s is None else wait_s)
     while True:
         eps = ready_endpoints(gw, model)
         if eps:
             break
+        refused = gw.admission.refusal(model)
+        if refused is not None:
+            raise refused
         if time.monotonic() >= deadline:
             raise UpstreamError(503, f"no ready worker for model '{model}'", "no_worker")
         await asyncio.sleep(0.1)

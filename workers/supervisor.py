@@ -13,10 +13,12 @@ ignored): a ready worker's ``/slots`` is probed every ``liveness_interval_s`` wi
 ``liveness_timeout_s`` timeout, 2 failures in a row mark it wedged; the gateway's watchdog
 reports stalled requests (``note_stall``), and ``wedge_after_stalls`` of them in a row with no
 token in between (``note_progress``) mark it wedged too. Crash loop: ``crash_loop_restarts``
-restarts within ``crash_loop_window_s`` → ``failed`` for ``failed_retry_s``, then retried.
+restarts within ``crash_loop_window_s`` → ``failed`` for ``failed_retry_s``, then retried
+(``retry_at`` says when, in ``time.monotonic`` seconds).
 
 The supervisor never routes requests. It reports readiness through two callbacks, and the
-gateway's dispatcher only leases slots of ready workers.
+gateway's dispatcher only leases slots of ready workers; an optional third one hears every state
+change (the gateway refuses requests at once while every worker of a model is ``failed``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from workers.process import LaunchSpec, WorkerProcess
 
 ReadyCallback = Callable[["WorkerSupervisor"], None]
 DownCallback = Callable[["WorkerSupervisor", str], None]
+StateCallback = Callable[["WorkerSupervisor"], None]
 
 
 class WorkerSupervisor:
@@ -42,6 +45,7 @@ class WorkerSupervisor:
         spec: how to launch it.
         on_ready: called when ``/health`` answers 200 and ``/slots`` was read back.
         on_down: called with a reason when a ready worker stops being usable.
+        on_state: called after every change of ``state`` (optional).
         startup_timeout_s: longest wait for ``/health`` 200 after spawn.
         backoff_initial_s / backoff_max_s: restart delay, doubled after each failed run,
             reset after a run that stayed ready for 60 s.
@@ -56,10 +60,12 @@ class WorkerSupervisor:
                  health_interval_s: float = 0.25, state_dir=None,
                  liveness_interval_s: float = 2.0, liveness_timeout_s: float = 5.0,
                  wedge_after_stalls: int = 2, crash_loop_restarts: int = 5,
-                 crash_loop_window_s: float = 120.0, failed_retry_s: float = 300.0):
+                 crash_loop_window_s: float = 120.0, failed_retry_s: float = 300.0,
+                 on_state: StateCallback | None = None):
         self.spec = spec
         self.on_ready = on_ready
         self.on_down = on_down
+        self.on_state = on_state
         self.startup_timeout_s = startup_timeout_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -81,6 +87,7 @@ class WorkerSupervisor:
         self._wedged_reason = ""
         self.state = "stopped"
         self.detail = ""
+        self.retry_at: float | None = None  # time.monotonic() of the next start while failed
         self.restarts = 0
         self.process: WorkerProcess | None = None
         self.slots_n_ctx: int | None = None  # per-slot context read back from /slots
@@ -111,10 +118,15 @@ class WorkerSupervisor:
             return False
 
     def _set_state(self, state: str, detail: str = "") -> None:
-        if state != self.state or detail != self.detail:
+        changed = state != self.state
+        if changed or detail != self.detail:
             self.log.info("worker.state", state=state, detail=detail or None,
                           pid=self.process.pid if self.process else None)
+        if state != "failed":
+            self.retry_at = None
         self.state, self.detail = state, detail
+        if changed and self.on_state is not None:
+            self.on_state(self)
 
     async def _run(self) -> None:
         backoff = self.backoff_initial_s
@@ -174,6 +186,7 @@ class WorkerSupervisor:
                     self.crash_loops += 1
                     n = len(self._restart_times)
                     self._restart_times.clear()
+                    self.retry_at = time.monotonic() + self.failed_retry_s
                     self._set_state("failed", f"crash loop: {n} restarts within "
                                               f"{self.crash_loop_window_s:g} s (last: {reason}); "
                                               f"next try in {self.failed_retry_s:g} s")

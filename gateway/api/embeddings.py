@@ -23,7 +23,7 @@ import time
 import orjson
 from aiohttp import web
 
-from gateway.admission import AllDrained, QueueFull, QueueTimeout
+from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import require
 from gateway.api.common import make_ticket, read_json, t0_ns
 from gateway.api.errors import BUSY_MESSAGE, ApiError
@@ -115,8 +115,8 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
 
     try:
         results = await asyncio.gather(*(one(t) for t in inputs))
-    except AllDrained as e:
-        raise ApiError(503, str(e), retry) from None
+    except Unavailable as e:  # no worker can take it: drained, crash-loop failed, removed, stopping
+        raise ApiError(e.status, str(e), e.headers(gw.config.queue.retry_after_s)) from None
     except QueueFull:
         raise ApiError(503, BUSY_MESSAGE, retry) from None
     except QueueTimeout:

@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from gateway import __version__
-from gateway.admission import AllDrained, QueueFull, QueueTimeout
+from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import model_capabilities, require
 from gateway.api.common import make_ticket, read_json, start_stream, t0_ns, visible_entries
 from gateway.api.errors import BUSY_MESSAGE, ApiError, ollama_error
@@ -234,8 +234,8 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                     await out.write(b"\n".join(lines))
                 if st.error:
                     break
-    except AllDrained as e:
-        return ollama_error(503, str(e), {"Retry-After": str(gw.config.queue.retry_after_s)})
+    except Unavailable as e:  # no worker can take it: drained, crash-loop failed, removed, stopping
+        return _refused(gw, e)
     except QueueFull:
         return ollama_error(503, BUSY_MESSAGE, {"Retry-After": str(gw.config.queue.retry_after_s)})
     except QueueTimeout:
@@ -256,6 +256,12 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     if hasattr(obj, "__await__"):
         try:
             obj = await obj
+        except Unavailable as e:  # the model's workers failed while it generated
+            if out is None:
+                return _refused(gw, e)
+            await out.write(orjson.dumps({"error": str(e)}) + b"\n")
+            await out.write_eof()
+            return out
         except UpstreamError as e:  # e.g. /tokenize for ``context`` failed
             msg, status = upstream_error_text(e)
             if out is None:
@@ -270,6 +276,12 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
         out = await prepare_ndjson(request)
     await out.write_eof(orjson.dumps(obj) + b"\n")  # last line and end of stream in one write
     return out
+
+
+def _refused(gw, e: Unavailable) -> web.Response:
+    """A refusal (gateway.scheduling.refusals) as Ollama's ``{"error": ...}`` with its status and
+    Retry-After."""
+    return ollama_error(e.status, str(e), e.headers(gw.config.queue.retry_after_s))
 
 
 def upstream_error_text(e: UpstreamError) -> tuple[str, int]:
@@ -393,6 +405,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             rendered = await apply_template(gw, entry.name, msgs, **_think_kwargs(think))
         if context:
             rendered = await detokenize(gw, entry.name, context) + rendered
+    except Unavailable as e:  # no worker can render it: refused like admission would
+        return _refused(gw, e)
     except UpstreamError as e:
         msg, status = upstream_error_text(e)
         return ollama_error(status, msg)

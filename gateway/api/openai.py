@@ -10,7 +10,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from gateway.admission import AllDrained, QueueFull, QueueTimeout
+from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN
 from gateway.api.common import make_ticket, read_json, start_stream, visible_entries
 from gateway.api.capabilities import require
@@ -84,8 +84,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 return web.Response(body=data, content_type="application/json")
             out = await start_stream(request, "text/event-stream")
             await _relay_stream(request, resp, out, include_usage)
-    except AllDrained as e:
-        return openai_error(503, str(e), retry)
+    except Unavailable as e:  # no worker can take it: drained, crash-loop failed, removed, stopping
+        return openai_error(e.status, str(e), e.headers(gw.config.queue.retry_after_s))
     except QueueFull:
         return openai_error(503, BUSY_MESSAGE, retry)
     except QueueTimeout:

@@ -5,11 +5,13 @@ Nothing here touches asyncio, sockets or the wall clock. Time comes from an inje
 the simulator drive the same objects.
 """
 
-from gateway.scheduling.dispatcher import AllDrained, Dispatcher, QueueFull, TooLarge
+from gateway.scheduling.dispatcher import Dispatcher, QueueFull, TooLarge
 from gateway.scheduling.lease import SlotLease
+from gateway.scheduling.refusals import AllDrained, AllFailed, ModelRemoved, ShuttingDown, Unavailable
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.scorer import POLICIES, make_scorer
 from gateway.scheduling.worker_view import WorkerLoad, WorkerView
 
-__all__ = ["POLICIES", "AllDrained", "Dispatcher", "QueueFull", "SlotLease", "Ticket", "TooLarge", "WorkerLoad",
-           "WorkerView", "make_scorer"]
+__all__ = ["POLICIES", "AllDrained", "AllFailed", "Dispatcher", "ModelRemoved", "QueueFull",
+           "ShuttingDown", "SlotLease", "Ticket", "TooLarge", "Unavailable", "WorkerLoad", "WorkerView",
+           "make_scorer"]

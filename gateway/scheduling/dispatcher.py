@@ -9,6 +9,10 @@ Invariants (each has a test):
   and not draining;
 - the queue never holds more than ``max_pending`` tickets; overflow raises ``QueueFull`` at once;
 - a ticket is dispatched at most once; cancel/expire remove it from the queue;
+- a ticket whose model no worker can take without an operator or the supervisor's next try
+  (``refusal``: every worker drained by the operator or crash-loop ``failed``, or the model
+  removed) is refused at submit (``Unavailable``) and ``drop_refused`` takes such tickets out
+  of the queue; while any worker of the model is ready, starting or restarting they wait;
 - with a KV-aware scorer, a worker is only chosen when the ticket fits its KV headroom
   (``WorkerView.fits``); a ticket whose prompt fits no worker's slot is refused up front
   (``check_fits`` raises ``TooLarge``).
@@ -21,10 +25,12 @@ of large requests).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 from gateway.scheduling.lease import SlotLease
 from gateway.scheduling.queue import AdmissionQueue
+from gateway.scheduling.refusals import AllDrained, AllFailed, ModelRemoved, Unavailable
 from gateway.scheduling.scorer import LeastLoaded, Scorer
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.worker_view import WorkerLoad, WorkerView
@@ -39,17 +45,6 @@ class QueueFull(Exception):
     Ollama answers this case with 503 ``server busy, please try again.  maximum pending
     requests exceeded`` (server/sched.go ``ErrMaxQueue``).
     """
-
-
-class AllDrained(Exception):
-    """Every worker of the ticket's model is drained by the operator (admin ``drain``): answered 503 at once
-    (and queued tickets of that model leave the queue) instead of waiting ``queue.timeout_s``
-    for a worker the operator took out of rotation. Workers that are starting or restarting
-    are not drained, so requests still wait for those."""
-
-    def __init__(self, model: str):
-        super().__init__(f"every worker of model '{model}' is drained; please try again later")
-        self.model = model
 
 
 class TooLarge(Exception):
@@ -81,6 +76,7 @@ class Dispatcher:
         self.scorer: Scorer = scorer or LeastLoaded()
         self.queue = AdmissionQueue(aging_s=aging_s)
         self.workers: dict[str, WorkerView] = {}
+        self.removed: set[str] = set()  # models whose last worker was removed (reload)
         self._order = 0
 
     # ---- fleet -------------------------------------------------------------------------
@@ -98,14 +94,19 @@ class Dispatcher:
                        kv_capacity=kv_capacity, speed=speed, cache_tokens=cache_tokens)
         self._order += 1
         self.workers[worker_id] = w
+        self.removed.discard(model)
         return w
 
     def remove_worker(self, worker_id: str) -> None:
-        """Forget a worker. Its live leases stay valid until released."""
+        """Forget a worker. Its live leases stay valid until released. When it was its
+        model's last worker, the model counts as removed (``ModelRemoved``) until a worker of
+        it is added again; a restart removes and adds without anything in between."""
         w = self.workers.pop(worker_id, None)
         if w is not None:
             w.ready = False
             self._forget_cache(worker_id)
+            if not self.serves(w.model):
+                self.removed.add(w.model)
 
     def _forget_cache(self, worker_id: str) -> None:
         """A worker that stopped lost its prompt cache: tell a scorer that remembers prefixes."""
@@ -122,12 +123,27 @@ class Dispatcher:
 
     def set_draining(self, worker_id: str, draining: bool, held: bool = False) -> list[Dispatch]:
         """Take a worker out of rotation or back. ``held``: the operator's drain (admin API),
-        which counts for ``all_drained``; a reload or restart drains without it, and requests
+        which counts for ``refusal``; a reload or restart drains without it, and requests
         wait for the worker to come back."""
         w = self.workers[worker_id]
         w.draining = draining
         w.held = draining and held
         return [] if draining else self.pump()
+
+    def set_failed(self, worker_id: str, failed: bool, retry_at: float | None = None
+                   ) -> list[Dispatch]:
+        """The supervisor gave up restarting a worker (crash-loop ``failed``) or tries again.
+        ``retry_at``: clock seconds of its next automatic start (None: none scheduled). A failed
+        worker is not ready. Unknown ids are ignored (a replaced worker's last report).
+        Returns no dispatches (leaving ``failed`` means starting, not ready)."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            return []
+        if failed and w.ready:
+            self.set_ready(worker_id, False)
+        w.failed = failed
+        w.retry_at = retry_at if failed else None
+        return []
 
     def set_slots(self, worker_id: str, slots: int) -> list[Dispatch]:
         """Change a worker's slot count (e.g. read back from ``/slots``)."""
@@ -202,23 +218,43 @@ class Dispatcher:
             cands = self._candidates(ticket)
             if cands:
                 return self._grant(ticket, cands, now)
-        if self.all_drained(ticket.model):
-            raise AllDrained(ticket.model)
+        refused = self.refusal(ticket.model)
+        if refused is not None:
+            raise refused
         if len(self.queue) >= self.max_pending:
             raise QueueFull(ticket.request_id)
         self.queue.push(ticket)
         return None
 
-    def all_drained(self, model: str) -> bool:
-        """True when ``model`` has workers and the operator drained every one of them."""
-        ws = [w for w in self.workers.values() if w.model == model]
-        return bool(ws) and all(w.draining and w.held for w in ws)
+    def refusal(self, model: str) -> Unavailable | None:
+        """Why no request for ``model`` can be served without an operator or the supervisor's
+        next scheduled try, or None while waiting can help (some worker of it is ready,
+        starting, restarting or drained by a reload, or the model never had a worker).
 
-    def drop_drained(self) -> list[Ticket]:
-        """Remove and return queued tickets whose model has only draining workers."""
-        gone = [t for t in self.queue if self.all_drained(t.model)]
-        for t in gone:
-            self.queue.remove(t)
+        ``ModelRemoved`` when a reload removed its last worker; ``AllDrained`` when the operator
+        drained every worker; ``AllFailed`` when every worker is crash-loop ``failed`` or
+        operator-drained with at least one failed (its Retry-After: the earliest next try).
+        """
+        ws = [w for w in self.workers.values() if w.model == model]
+        if not ws:
+            return ModelRemoved(model) if model in self.removed else None
+        if not all(w.failed or (w.draining and w.held) for w in ws):
+            return None
+        failed = [w for w in ws if w.failed]
+        if not failed:
+            return AllDrained(model)
+        retry = [w.retry_at for w in failed if w.retry_at is not None]
+        retry_in = max(1, math.ceil(min(retry) - self.clock())) if retry else None
+        return AllFailed(model, retry_in, drained=len(ws) - len(failed))
+
+    def drop_refused(self) -> list[tuple[Ticket, Unavailable]]:
+        """Remove and return the queued tickets that ``refusal`` now refuses, each with why."""
+        gone = []
+        for t in list(self.queue):
+            why = self.refusal(t.model)
+            if why is not None:
+                self.queue.remove(t)
+                gone.append((t, why))
         return gone
 
     def cancel(self, ticket: Ticket) -> bool:

@@ -47,6 +47,8 @@ class WorkerView:
         ready: True once ``/health`` answered 200 and until it exits or stalls.
         draining: True while an operator or a reload drains it: no new leases.
         held: the draining is the operator's (admin drain), not a reload's or restart's.
+        failed: the supervisor gave up restarting it (crash loop); never ready meanwhile.
+        retry_at: clock seconds of the supervisor's next start of a failed worker (None: none).
         order: position in the fleet, for stable tie-breaking.
         n_ctx: per-slot context (tokens), 0 = unknown (no per-slot check).
         kv_capacity: KV cells of the whole worker (tokens, llama-server ``-c``); 0 = unknown.
@@ -61,6 +63,8 @@ class WorkerView:
     ready: bool = False
     draining: bool = False
     held: bool = False  # drained by the operator (admin drain), not by a reload or restart
+    failed: bool = False  # crash-loop ``failed``: the supervisor gave up restarting it for now
+    retry_at: float | None = None  # clock seconds of its next automatic start while failed
     order: int = 0
     n_ctx: int = 0
     kv_capacity: int = 0
@@ -81,8 +85,8 @@ class WorkerView:
 
     @property
     def free(self) -> int:
-        """Slots free for a new lease now (0 when not ready or draining)."""
-        if not self.ready or self.draining:
+        """Slots free for a new lease now (0 when not ready, draining or failed)."""
+        if not self.ready or self.draining or self.failed:
             return 0
         return max(0, self.slots - len(self.leases))
 

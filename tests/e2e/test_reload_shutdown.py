@@ -26,6 +26,16 @@ def _two_models(port: int, **over) -> dict:
         {"name": "beta", "path": "builtin:demo", "slots": 2, "context": 1024, "cpu": 1}], **over)
 
 
+def long_context_gateway(tmp_path, slots: int, drain_s: float):
+    """One CPU worker of the demo model with ``slots`` slots of 65,536 tokens (room for
+    generations that outlast the drain), ``shutdown.drain_s`` = ``drain_s``, stop grace 3 s."""
+    cfg = base_config(free_port(), shutdown={"drain_s": drain_s},
+                      llama_server={"threads": 1, "stop_grace_s": 3},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": slots,
+                               "context": 65536, "cpu": 1}])
+    return start_gateway(tmp_path, cfg)
+
+
 def _argv_np(pid: int) -> int:
     argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
     return int(argv[argv.index(b"-np") + 1])
@@ -154,11 +164,7 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path):
 def test_field_17_sigterm_with_two_long_generations(tmp_path):
     """drain_s 2 s, two streams that would run far longer: both end with an error line
     (NDJSON and SSE), the gateway exits 0 well inside drain + stop grace, nothing left."""
-    cfg = base_config(free_port(), shutdown={"drain_s": 2},
-                      llama_server={"threads": 1, "stop_grace_s": 3},
-                      models=[{"name": "demo", "path": "builtin:demo", "slots": 2,
-                               "context": 65536, "cpu": 1}])
-    gw = start_gateway(tmp_path, cfg)
+    gw = long_context_gateway(tmp_path, slots=2, drain_s=2)
     pids = [w["pid"] for w in gw.workers()]
     out: dict[str, list[str]] = {}
 

@@ -35,3 +35,19 @@ def is_fake(pid: int) -> bool:
         return FAKE.name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def exiting_binary(tmp_path: Path, real: str, *, go: Path, heal: Path) -> Path:
+    """A FAKE llama-server that cannot start: every spawn waits (as "starting") until the file
+    ``go`` exists, then exits with status 1 at once, so the supervisor's crash-loop guard marks
+    the worker ``failed``. Once the file ``heal`` exists, spawns exec the real llama-server
+    ``real`` (an admin restart then brings the worker back)."""
+    script = tmp_path / "fake-llama-server-exits"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"if [ -e '{heal}' ]; then exec '{real}' \"$@\"; fi\n"
+        f"while [ ! -e '{go}' ]; do sleep 0.05; done\n"
+        "echo 'FAKE llama-server: exiting at once (deliberately broken worker)' >&2\n"
+        "exit 1\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script

@@ -2,7 +2,8 @@
 
 import pytest
 
-from gateway.scheduling import AllDrained, Dispatcher, QueueFull, Ticket
+from gateway.scheduling import (AllDrained, AllFailed, Dispatcher, ModelRemoved, QueueFull, Ticket,
+                                Unavailable)
 
 
 class FakeClock:
@@ -99,11 +100,13 @@ def test_all_drained_fails_fast_and_empties_the_queue_but_starting_workers_are_w
     queued = t(5)
     assert d.submit(queued) is None
     d.set_draining("w0", True, held=True)
-    assert d.drop_drained() == []  # w1 is still in rotation
+    assert d.drop_refused() == []  # w1 is still in rotation
     d.set_draining("w1", True)  # a reload's drain: requests wait for the new worker
-    assert d.drop_drained() == [] and len(d.queue) == 1
+    assert d.drop_refused() == [] and len(d.queue) == 1
     d.set_draining("w1", True, held=True)
-    assert d.drop_drained() == [queued] and len(d.queue) == 0
+    (gone, why), = d.drop_refused()
+    assert gone is queued and isinstance(why, AllDrained) and len(d.queue) == 0
+    assert why.status == 503 and why.headers(2) == {"Retry-After": "2"}  # an undrain helps
     with pytest.raises(AllDrained, match="drained"):
         d.submit(t(6))
     d.set_draining("w0", False)
@@ -211,3 +214,82 @@ def test_phantom_ignores_slots_freed_after_the_poll():
     assert w.busy == 0 and w.phantom == 0  # the 1.0 poll predates both releases
     d.update_load("w0", WorkerLoad(at=1.3, processing=1))  # one request still winding down
     assert w.phantom == 1
+
+
+def test_every_worker_failed_refuses_at_once_with_the_next_try_as_retry_after():
+    d, clock = mk(max_pending=10)
+    leases = [d.submit(t(i)) for i in range(4)]
+    queued = [t(10), t(11)]
+    assert [d.submit(q) for q in queued] == [None, None]
+    d.set_ready("w0", False)  # crashed ...
+    d.set_failed("w0", True, retry_at=clock.t + 300)  # ... and the supervisor gave up
+    assert d.drop_refused() == [] and len(d.queue) == 2  # w1 can still take them
+    d.set_ready("w1", False)
+    assert d.drop_refused() == []  # w1 is restarting (backoff, starting): requests wait
+    clock.t = 10.4
+    d.set_failed("w1", True, retry_at=clock.t + 30)
+    gone = d.drop_refused()
+    assert [g for g, _ in gone] == queued and len(d.queue) == 0
+    assert all(isinstance(why, AllFailed) and why.status == 503 for _, why in gone)
+    why = gone[0][1]
+    assert why.headers(2) == {"Retry-After": "30"}  # w1's next start, the earliest one
+    assert "every worker of it failed" in str(why) and "crash loop" in str(why)
+    assert "worker restart" in str(why)
+    with pytest.raises(AllFailed):
+        d.submit(t(20))
+    # leases taken before the failure stay valid; releasing them dispatches nothing
+    assert all(l.release() == [] for l in leases)
+    assert all(w.busy == 0 and w.free == 0 for w in d.workers.values())
+    # the supervisor starts w1 again: requests wait for it, and run once it is ready
+    d.set_failed("w1", False)
+    waiting = t(21)
+    assert d.submit(waiting) is None
+    (tk, lease), = d.set_ready("w1", True)
+    assert tk is waiting and lease.worker.id == "w1"
+
+
+def test_failed_and_operator_drained_together_refuse_with_the_failed_text():
+    d, clock = mk(max_pending=10)
+    d.set_draining("w0", True, held=True)
+    d.set_ready("w1", False)
+    d.set_failed("w1", True, retry_at=None)  # no automatic start scheduled
+    why = d.refusal("demo:latest")
+    assert isinstance(why, AllFailed) and "1 of them drained by the operator" in str(why)
+    assert why.headers(2) == {}  # nothing will bring it back by itself: no Retry-After
+    d.set_draining("w0", False)  # the operator undrains w0: in rotation again
+    assert d.refusal("demo:latest") is None
+    assert d.submit(t(1)).worker.id == "w0"
+
+
+def test_a_failed_worker_never_gets_a_lease_even_if_marked_ready():
+    d, _ = mk(n_workers=1, slots=2, max_pending=10)
+    d.set_failed("w0", True, retry_at=5.0)
+    assert d.workers["w0"].ready is False and d.workers["w0"].free == 0
+    d.set_failed("gone", True)  # a replaced worker's last report is ignored
+    d.set_failed("w0", False)
+    assert d.workers["w0"].retry_at is None and d.refusal("demo:latest") is None
+
+
+def test_a_removed_model_is_refused_404_and_a_restart_is_not_a_removal():
+    d, _ = mk(n_workers=1, slots=1, max_pending=10)
+    d.submit(t(1))
+    queued = t(2)
+    assert d.submit(queued) is None
+    d.remove_worker("w0")  # a restart: removed, then added again with nothing in between
+    d.add_worker("w0", "demo:latest", 1)
+    assert d.drop_refused() == [] and d.refusal("demo:latest") is None
+    d.remove_worker("w0")  # a reload removed the model
+    (gone, why), = d.drop_refused()
+    assert gone is queued and isinstance(why, ModelRemoved)
+    assert why.status == 404 and why.headers(2) == {}  # retrying cannot help
+    assert str(why) == "model 'demo:latest' not found (removed from the gateway's config by a reload)"
+    with pytest.raises(ModelRemoved):
+        d.submit(t(3))
+    assert d.refusal("never-had-workers:latest") is None  # not removed: waits as before
+    d.add_worker("w9", "demo:latest", 1)  # configured again
+    assert d.submit(t(4)) is None
+
+
+def test_refusals_are_unavailable():
+    assert issubclass(AllDrained, Unavailable) and issubclass(AllFailed, Unavailable)
+    assert issubclass(ModelRemoved, Unavailable)

@@ -1,15 +1,21 @@
 """Property tests of the dispatcher (hypothesis): random interleavings of submit, release,
-cancel, expire, polled load and readiness changes keep the invariants."""
+cancel, expire, polled load, readiness changes, operator drains and crash-loop failures keep
+the invariants."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.scheduling import Dispatcher, QueueFull, Ticket, WorkerLoad, make_scorer
+from gateway.scheduling import Dispatcher, QueueFull, Ticket, Unavailable, WorkerLoad, make_scorer
 from gateway.scheduling.scorer import POLICIES
 
 ops = st.lists(st.tuples(st.sampled_from(["submit", "release", "cancel", "tick", "load",
-                                          "down", "up"]),
+                                          "down", "up", "fail", "unfail", "hold", "unhold"]),
                          st.integers(0, 1000), st.integers(0, 3)), max_size=120)
+# Fleet trouble often: every worker failed or held while tickets wait (refusals happen).
+trouble_ops = st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "release", "tick",
+                                                  "down", "up", "fail", "fail", "unfail",
+                                                  "hold", "unhold"]),
+                                 st.integers(0, 1000), st.integers(0, 1)), max_size=120)
 
 
 class Clock:
@@ -24,6 +30,22 @@ class Clock:
 @given(ops=ops, policy=st.sampled_from(POLICIES), slots=st.lists(st.integers(1, 3), min_size=1,
        max_size=3), max_pending=st.integers(0, 6), unified=st.booleans())
 def test_invariants(ops, policy, slots, max_pending, unified):
+    run_invariants(ops, policy, slots, max_pending, unified)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=trouble_ops, policy=st.sampled_from(POLICIES),
+       slots=st.lists(st.integers(1, 2), min_size=1, max_size=2), max_pending=st.integers(2, 6))
+def test_invariants_with_failed_and_drained_fleets(ops, policy, slots, max_pending):
+    """Crash-loop failures and operator drains of the whole fleet while tickets wait: a ticket
+    is refused only when no worker can take it, and then none is left waiting."""
+    outcome = run_invariants(ops, policy, slots, max_pending, False)
+    assert set(outcome.values()) <= {"dispatched", "rejected", "cancelled", "expired", "refused"}
+
+
+def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
+    """Apply ``ops`` to a dispatcher of ``slots`` workers, checking the invariants after every
+    step; then end every ticket. Returns each ticket's outcome by sequence number."""
     clock = Clock()
     d = Dispatcher(clock, max_pending=max_pending, scorer=make_scorer(policy, seed=0), aging_s=1.0)
     for i, s in enumerate(slots):
@@ -36,6 +58,7 @@ def test_invariants(ops, policy, slots, max_pending, unified):
         for tk, lease in dispatches:
             assert tk in queued, "dispatched a ticket that was not queued"
             assert tk.seq not in seen_dispatch, "dispatched twice"
+            assert not lease.worker.failed and not lease.worker.held, "leased a failed/held worker"
             seen_dispatch.add(tk.seq)
             queued.discard(tk)
             outcome[tk.seq] = "dispatched"
@@ -54,10 +77,14 @@ def test_invariants(ops, policy, slots, max_pending, unified):
                 lease = d.submit(tk)
             except QueueFull:
                 outcome[tk.seq] = "rejected"
+            except Unavailable:
+                assert d.refusal("m") is not None, "refused while a worker could take it"
+                outcome[tk.seq] = "refused"
             else:
                 if lease is None:
                     queued.add(tk)
                 else:
+                    assert not lease.worker.failed and not lease.worker.held
                     seen_dispatch.add(tk.seq)
                     outcome[tk.seq] = "dispatched"
                     live.append(lease)
@@ -80,15 +107,31 @@ def test_invariants(ops, policy, slots, max_pending, unified):
                                              deferred=a % 2)))
         elif op in ("down", "up"):
             took(d.set_ready(f"w{b % len(slots)}", op == "up"))
+        elif op in ("fail", "unfail", "hold", "unhold"):
+            w = f"w{b % len(slots)}"
+            if op in ("fail", "unfail"):  # the supervisor gave up restarting it, or tries again
+                took(d.set_failed(w, op == "fail", retry_at=clock.t + a % 7 if a % 3 else None))
+            else:  # the operator's drain (admin API)
+                took(d.set_draining(w, op == "hold", held=True))
+            for tk, why in d.drop_refused():  # what Admission does after each fleet change
+                assert tk in queued and isinstance(why, Unavailable) and why.status == 503
+                queued.discard(tk)
+                outcome[tk.seq] = "refused"
         # invariants after every step
         for w in d.workers.values():
             assert 0 <= w.busy <= w.slots
             assert 0 <= w.free <= w.slots
             assert 0 <= w.phantom <= w.slots
+            if w.failed:
+                assert w.free == 0  # never leased, whatever readiness says
         assert len(d.queue) <= max_pending
         assert set(d.queue) == queued
+        if queued:  # nothing waits for a model that no worker can take
+            assert d.refusal("m") is None
     # drain: bring everything up, release all, let time pass -> every admitted ticket ends
     for i in range(len(slots)):
+        took(d.set_failed(f"w{i}", False))
+        took(d.set_draining(f"w{i}", False))
         took(d.set_ready(f"w{i}", True))
         took(d.update_load(f"w{i}", WorkerLoad()))
     for _ in range(10_000):
@@ -105,6 +148,7 @@ def test_invariants(ops, policy, slots, max_pending, unified):
     assert not queued, "a ticket was left in the queue with every slot free"
     assert all(w.busy == 0 for w in d.workers.values())
     assert len(outcome) == n
+    return outcome
 
 
 @settings(max_examples=60, deadline=None)
