@@ -57,6 +57,9 @@ class Gateway:
         self.runner: web.AppRunner | None = None
         self.stopping = asyncio.Event()
         self.inflight: dict[int, web.Request] = {}  # id(request) -> request being handled (middleware)
+        #: Inference requests accepted and not yet answered (queued or running; the guard
+        #: middleware counts them): the in-flight figure of /metrics and the status API.
+        self.inference_in_flight = 0
         self.draining = False  # True once shutdown began: new requests get 503
         self.notifier = notifier or Notifier()
         self.metrics = GatewayMetrics(self)

@@ -581,7 +581,7 @@ class ApiKeyConfig(_Section):
     rate_per_minute: OptPositiveInt = None
     """Requests per minute (token bucket, burst of the same size); more get 429. null = no limit."""
     admin: StrictBool = False
-    """May use the gateway's own ``/gateway/`` endpoints."""
+    """May use the gateway's own ``/gateway/`` endpoints and ``/metrics``."""
 
 
 class AuthConfig(_Section):
@@ -589,6 +589,10 @@ class AuthConfig(_Section):
 
     keys: list[ApiKeyConfig] = Field(default_factory=list)
     """Accepted keys; a request must send one as ``Authorization: Bearer <key>``."""
+    metrics_public: StrictBool = False
+    """With keys: false (default) = ``/metrics`` (which names every model and worker) needs the
+    admin token or an ``admin: true`` key, as ``/gateway/api/workers`` does; true = open to
+    anyone who can reach the port (a scraper on a trusted network). Without keys it is open."""
 
     @model_validator(mode="after")
     def _unique(self) -> "AuthConfig":

@@ -21,14 +21,20 @@ from aiohttp import web
 from gateway.api.errors import ApiError, context_overflow
 from gateway.logs import get_logger
 from gateway.scheduling import Unavailable
+from gateway.sizing import content_text
 from gateway.upstream import UpstreamError
 from gateway.worker_calls import tokenize
 
 log = get_logger("gateway.limits")
 
-#: Routes whose JSON body is parsed and checked here (extend as endpoints are added).
-JSON_ROUTES = ("/api/generate", "/api/chat", "/api/show", "/api/embed", "/api/embeddings",
-               "/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: Inference routes (POST): what per-key concurrency and rate limits and the in-flight gauge
+#: count; a model list or ``/api/show`` polled by a UI during a stream is not inference.
+INFERENCE_ROUTES = ("/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
+                    "/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: Routes whose JSON body is parsed and checked by the guard (the model a key may use, messages,
+#: prompt length): the inference routes and the two that name one model (extend as endpoints
+#: are added).
+JSON_ROUTES = INFERENCE_ROUTES + ("/api/show", "/api/pull")
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -65,28 +71,42 @@ def check_messages(body: dict, max_messages: int) -> None:
         raise ApiError(400, f"too many messages: {len(msgs)}, the limit is {max_messages}")
 
 
-def prompt_text(body: dict) -> str:
-    """All prompt text of an Ollama or OpenAI body: ``prompt``, ``system`` and message
-    contents (strings, or the ``text`` of content parts). Wrong types are skipped (the
-    handler reports them)."""
-    parts: list[str] = []
-    for key in ("system", "prompt", "suffix"):
-        v = body.get(key)
-        if isinstance(v, str):
-            parts.append(v)
-    msgs = body.get("messages")
-    if isinstance(msgs, list):
-        for m in msgs:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                parts.append(c)
-            elif isinstance(c, list):
-                parts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return "\n".join(parts)
+def prompt_texts(body: dict, path: str) -> list[str]:
+    """The prompt text(s) that ``path`` sends to a worker for ``body``, each of which must fit
+    one slot; fields the route ignores are not counted.
+
+    * ``/api/generate``: ``prompt`` and ``suffix``, plus ``system`` unless ``raw`` or ``suffix``
+      is set (the handler puts ``system`` into the chat template, which neither uses;
+      gateway/api/ollama.py ``generate``).
+    * ``/api/chat``, ``/v1/chat/completions``: the message contents only (a top-level
+      ``prompt`` or ``system`` is not sent).
+    * ``/v1/completions``: ``prompt``, a string or each string of a list (llama-server runs one
+      task per prompt).
+    * any other route: nothing (embeddings are cut or refused per input in gateway/api/embeddings.py).
+    Wrong types are skipped (the handler reports them)."""
+    if path == "/api/generate":
+        keys = ("prompt", "suffix") if body.get("raw") is True or body.get("suffix") \
+            else ("system", "prompt")
+        text = "\n".join(v for k in keys if isinstance(v := body.get(k), str) and v)
+        return [text] if text else []
+    if path in ("/api/chat", "/v1/chat/completions"):
+        msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            return []
+        text = "\n".join(content_text(m.get("content")) for m in msgs if isinstance(m, dict))
+        return [text] if text else []
+    if path == "/v1/completions":
+        p = body.get("prompt")
+        if isinstance(p, str):
+            return [p] if p else []
+        if isinstance(p, list):
+            return [x for x in p if isinstance(x, str) and x]
+    return []
 
 
-async def check_prompt_length(gw, body: dict) -> None:
-    """Raises ApiError(400) when the prompt needs more tokens than one slot's context.
+async def check_prompt_length(gw, body: dict, path: str) -> None:
+    """Raises ApiError(400) when a prompt ``path`` would send (:func:`prompt_texts`) needs more
+    tokens than one slot's context.
 
     ``gw`` is the Gateway (inventory, fleet, upstream session, ``context_per_slot``).
     """
@@ -97,12 +117,14 @@ async def check_prompt_length(gw, body: dict) -> None:
     if entry is None or entry.embeddings:
         return
     ctx = gw.context_per_slot(entry.name)
-    text = prompt_text(body)
-    if not ctx or len(text.encode("utf-8", "surrogatepass")) <= ctx:
+    if not ctx:
         return
-    n = await _count_tokens(gw, entry.name, text)
-    if n is not None and n >= ctx:
-        raise ApiError(400, context_overflow(n, ctx))
+    for text in prompt_texts(body, path):
+        if len(text.encode("utf-8", "surrogatepass")) <= ctx:
+            continue
+        n = await _count_tokens(gw, entry.name, text)
+        if n is not None and n >= ctx:
+            raise ApiError(400, context_overflow(n, ctx))
 
 
 async def _count_tokens(gw, model: str, text: str) -> int | None:

@@ -119,6 +119,10 @@ class GatewayMetrics:
         self.errors = RecentErrors()
 
     def observe(self, request: "web.Request", status: int, duration_s: float) -> None:
+        """Count one finished request. Its ``model`` label is ``request["model"]``: a configured
+        model's full name (set by the guard middleware once the body names one, refused requests
+        included, and by :func:`note_lease`), else "" (no model, or a name not configured), so
+        the label set stays bounded by the config."""
         ep = endpoint_label(request)
         model = request.get("model") or ""
         self.requests.labels(ep, model, str(status)).inc()
@@ -167,8 +171,9 @@ class LiveCollector:
         yield GaugeMetricFamily(f"{PREFIX}_queue_max_pending", "Queue bound (queue.max_pending)",
                                 value=disp.max_pending)
         yield GaugeMetricFamily(f"{PREFIX}_in_flight_requests",
-                                "HTTP requests being handled (queued or running)",
-                                value=len(gw.inflight))
+                                "Inference requests being handled (queued or running); model "
+                                "lists, status, admin and this scrape are not counted",
+                                value=gw.inference_in_flight)
         labels = ["worker", "model", "gpu"]
         busy = GaugeMetricFamily(f"{PREFIX}_worker_slots_busy", "Slots held by requests", labels=labels)
         total = GaugeMetricFamily(f"{PREFIX}_worker_slots", "Slots (-np) of the worker", labels=labels)

@@ -17,7 +17,7 @@ import time
 from aiohttp import web
 
 from gateway.api.common import request_id
-from gateway.api.errors import ApiError, ollama_error, openai_error
+from gateway.api.errors import ApiError, error_response, model_not_found_v1
 from gateway.auth import is_admin_token
 from gateway.logs import get_logger
 
@@ -28,9 +28,7 @@ _ACCESS_FIELDS = ("model", "worker", "priority", "queue_wait_ms", "ttft_ms",
 
 
 def _error(path: str, status: int, message: str, headers=None) -> web.Response:
-    if path.startswith("/v1/"):
-        return openai_error(status, message, headers)
-    return ollama_error(status, message, headers)
+    return error_response(path, ApiError(status, message, headers))
 
 
 @web.middleware
@@ -53,7 +51,7 @@ async def gateway_middleware(request: web.Request, handler):
         resp = await handler(request)
         status = resp.status
     except ApiError as e:
-        resp = _error(request.path, e.status, e.message, e.headers)
+        resp = error_response(request.path, e)
         status = e.status
     except web.HTTPException as e:
         if e.status < 400:
@@ -97,8 +95,10 @@ async def gateway_middleware(request: web.Request, handler):
 async def guard_middleware(request: web.Request, handler):
     """Host check, CORS preflight, API keys and per-key limits, body limits, prompt length.
 
-    Order: Host (403) → preflight (204/403) → key (401) → admin paths (403) → body size/time
-    (413/408) → messages (400) → model allowed (403) → prompt length (400) → per-key
+    Order: Host (403) → preflight (204/403) → credentials (401: missing or unknown) → the
+    gateway's own paths (403: a valid key without ``admin: true``) → body size/time (413/408) →
+    messages (400) → model allowed (403 on ``/api``; on ``/v1`` 404 ``model_not_found``, as
+    OpenAI answers a model the key has no access to) → prompt length (400) → per-key
     concurrency and rate (429, with Retry-After). Errors come in the route's shape.
     """
     gw = request.app["gw"]
@@ -106,13 +106,15 @@ async def guard_middleware(request: web.Request, handler):
     try:
         return await guard.run(request, handler, gw)
     except ApiError as e:
-        return _error(request.path, e.status, e.message, e.headers)
+        return error_response(request.path, e)
 
 
 #: Paths that carry no data and stay open with ``auth.keys`` (the status page's HTML asks for
 #: its data with a key or the admin token the user gives it in the URL fragment).
 _OPEN_PATHS = ("/", "/gateway")
-#: With ``auth.keys``, the gateway's own status and admin API also accept the admin token.
+#: The gateway's own status and admin API and its Prometheus metrics (which name every model
+#: and worker): with ``auth.keys``, the admin token or a key with ``admin: true``; a plain key
+#: gets 403. ``/metrics`` is open when ``auth.metrics_public`` is set (and without keys).
 _ADMIN_PATHS = ("/gateway/", "/metrics")
 
 
@@ -139,70 +141,107 @@ class Guard:
         from gateway.upstream import current_request
 
         cfg = self.config
+        path = request.path
         host = request.headers.get("Host", "")
         if not self.hosts.ok(host):
-            log.warning("request.host_refused", host=host, path=request.path)
+            log.warning("request.host_refused", host=host, path=path)
             raise ApiError(403, f"host {host!r} is not allowed")
         if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
             hdrs = self.cors.headers(request.headers.get("Origin"), preflight=True)
             if not hdrs:
                 raise ApiError(403, "origin not allowed")
             return web.Response(status=204, headers=hdrs)
-        key = None
-        open_path = request.path in _OPEN_PATHS and request.method in ("GET", "HEAD")
-        if request.path.startswith(_ADMIN_PATHS) and \
-                is_admin_token(request.headers.get("Authorization"), cfg):
-            request["admin_auth"] = True
-        elif self.keys.enabled and not open_path:
-            key = self.keys.lookup(request.headers.get("Authorization"))
-            if key is None:
-                raise ApiError(401, "unauthorized: a valid API key is required "
-                                    "(Authorization: Bearer <key>)",
-                               {"WWW-Authenticate": 'Bearer realm="llama-gateway"'})
-            request["api_key"] = key.cfg.name
-            request["api_key_state"] = key  # model lists show only the key's models
-            request["admin_auth"] = bool(key.cfg.admin)
-            if key.cfg.priority is not None:
-                request["key_priority"] = key.cfg.priority
-            if request.path.startswith("/gateway/") and not key.cfg.admin:
-                raise ApiError(403, f"key '{key.cfg.name}' may not use {request.path}")
+        key = self._authenticate(request, cfg)
         if request.method in ("POST", "PUT", "PATCH") and request.can_read_body:
             raw = await limits.read_body(request, cfg.limits.max_body_bytes,
                                          cfg.timeouts.body_read_s)
-            body = limits.parse_object(raw) if request.path in limits.JSON_ROUTES else None
+            body = limits.parse_object(raw) if path in limits.JSON_ROUTES else None
             if body is not None:
                 request["json_body"] = body  # the handler's read_json uses it: parsed once
                 limits.check_messages(body, cfg.limits.max_messages)
-                name = body.get("model") or body.get("name")
-                if key is not None and isinstance(name, str) and gw.inventory is not None:
-                    entry = gw.inventory.resolve(name)
-                    if entry is not None and not key.allows_model(entry.name):
-                        raise ApiError(403, f"key '{key.cfg.name}' may not use model '{name}'")
+                self._check_model(request, body, key, gw)
                 if cfg.limits.check_prompt_length:
-                    await limits.check_prompt_length(gw, body)
+                    await limits.check_prompt_length(gw, body, path)
+        inference = request.method == "POST" and path in limits.INFERENCE_ROUTES
         # Limits count inference requests only (a UI polling /api/tags during a stream is fine).
-        if key is not None and not (request.method == "POST" and request.path in limits.JSON_ROUTES
-                                    and request.path != "/api/show"):
+        if key is not None and inference:
+            self._check_key_limits(key)
+        else:
             key = None
-        if key is not None:
-            if key.cfg.max_concurrent is not None and key.in_flight >= key.cfg.max_concurrent:
-                raise ApiError(429, f"too many concurrent requests for key '{key.cfg.name}' "
-                                    f"(limit {key.cfg.max_concurrent})", {"Retry-After": "1"})
-            wait = key.take_token(time.monotonic())
-            if wait:
-                raise ApiError(429, f"rate limit of key '{key.cfg.name}' exceeded "
-                                    f"({key.cfg.rate_per_minute} requests per minute)",
-                               {"Retry-After": str(max(1, int(wait + 0.999)))})
         self._bound_writes(request)
         token = current_request.set(request)
         if key is not None:
             key.in_flight += 1
+        if inference:
+            gw.inference_in_flight += 1
         try:
             return await handler(request)
         finally:
             current_request.reset(token)
             if key is not None:
                 key.in_flight -= 1
+            if inference:
+                gw.inference_in_flight -= 1
+
+    def _authenticate(self, request: web.Request, cfg):
+        """The request's API key state (None: no keys configured, an open path, or the admin
+        token). Raises ApiError 401 for a missing or unknown credential and 403 for a valid key
+        that may not use the gateway's own paths (RFC 9110: 401 = no valid credentials,
+        403 = valid credentials without permission)."""
+        path = request.path
+        auth = request.headers.get("Authorization")
+        admin_path = path.startswith(_ADMIN_PATHS)
+        open_path = (path in _OPEN_PATHS and request.method in ("GET", "HEAD")) or (
+            path == "/metrics" and cfg.auth.metrics_public)
+        if admin_path and is_admin_token(auth, cfg):
+            request["admin_auth"] = True
+            return None
+        if not self.keys.enabled or open_path:
+            return None
+        key = self.keys.lookup(auth)
+        if key is None:
+            what = "the admin token or an admin API key" if admin_path else "a valid API key"
+            raise ApiError(401, f"unauthorized: {what} is required (Authorization: Bearer <key>)",
+                           {"WWW-Authenticate": 'Bearer realm="llama-gateway"'})
+        request["api_key"] = key.cfg.name
+        request["api_key_state"] = key  # model lists show only the key's models
+        request["admin_auth"] = bool(key.cfg.admin)
+        if key.cfg.priority is not None:
+            request["key_priority"] = key.cfg.priority
+        if admin_path and not key.cfg.admin:
+            raise ApiError(403, f"key '{key.cfg.name}' may not use {path}")
+        return key
+
+    @staticmethod
+    def _check_model(request: web.Request, body: dict, key, gw) -> None:
+        """Note the configured model the body names (``request["model"]``: the metrics label and
+        access-log field, so refused requests are counted under their model; names that are not
+        configured stay unlabelled, which bounds the label set). Raises ApiError when ``key``
+        may not use it: 403 on ``/api``, OpenAI's 404 ``model_not_found`` on ``/v1``."""
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str) or gw.inventory is None:
+            return
+        entry = gw.inventory.resolve(name)
+        if entry is None:
+            return
+        request["model"] = entry.name
+        if key is not None and not key.allows_model(entry.name):
+            if request.path.startswith("/v1/"):
+                raise model_not_found_v1(name)
+            raise ApiError(403, f"key '{key.cfg.name}' may not use model '{name}'")
+
+    @staticmethod
+    def _check_key_limits(key) -> None:
+        """Raises ApiError(429, with Retry-After) when ``key`` is at its concurrency cap or over
+        its per-minute rate."""
+        if key.cfg.max_concurrent is not None and key.in_flight >= key.cfg.max_concurrent:
+            raise ApiError(429, f"too many concurrent requests for key '{key.cfg.name}' "
+                                f"(limit {key.cfg.max_concurrent})", {"Retry-After": "1"})
+        wait = key.take_token(time.monotonic())
+        if wait:
+            raise ApiError(429, f"rate limit of key '{key.cfg.name}' exceeded "
+                                f"({key.cfg.rate_per_minute} requests per minute)",
+                           {"Retry-After": str(max(1, int(wait + 0.999)))})
 
     def _bound_writes(self, request: web.Request) -> None:
         """Bound what is buffered for this client (user space and kernel send buffer)."""

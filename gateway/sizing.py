@@ -69,7 +69,9 @@ def _doubling(n: int, first: int) -> list[int]:
     return out + [n]
 
 
-def _text_of(content) -> str:
+def content_text(content) -> str:
+    """A message's text: a string, or its OpenAI content parts' ``text`` joined (other types
+    give "")."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
@@ -86,7 +88,7 @@ def _chain_parts(body: dict, bytes_per_token: float, prefix_bytes: int) -> list[
         parts = []
         for m in msgs:
             if isinstance(m, dict):
-                b = str(m.get("role", "")).encode() + b"\0" + _text_of(m.get("content")).encode()
+                b = str(m.get("role", "")).encode() + b"\0" + content_text(m.get("content")).encode()
                 parts.append((b, math.ceil((len(b) + _MSG_OVERHEAD_BYTES) / bytes_per_token)))
         return parts
     prompt = body.get("prompt")
@@ -115,7 +117,7 @@ def prompt_head_and_size(body: dict) -> tuple[bytes, int]:
         parts = []
         for m in msgs:
             if isinstance(m, dict):
-                parts.append(str(m.get("role", "")).encode() + b"\0" + _text_of(m.get("content")).encode())
+                parts.append(str(m.get("role", "")).encode() + b"\0" + content_text(m.get("content")).encode())
         flat = b"\1".join(parts)
         return flat, len(flat) + _MSG_OVERHEAD_BYTES * len(parts)
     prompt = body.get("prompt")

@@ -360,3 +360,13 @@ def test_shutdown_and_admin_sections():
         with pytest.raises(ConfigError) as e:
             parse_config({**base, **bad})
         assert msg in str(e.value)
+
+
+def test_auth_metrics_public():
+    base = {"models": [{"name": "demo", "path": "builtin:demo"}]}
+    assert parse_config(base).auth.metrics_public is False
+    assert parse_config({**base, "auth": {"metrics_public": True}}).auth.metrics_public is True
+    assert errors_of({**base, "auth": {"metrics_public": "yes"}}) == [
+        'auth.metrics_public: expected true or false, got "yes"']
+    assert errors_of({**base, "auth": {"metrics_publik": True}}) == [
+        'auth.metrics_publik: unknown key (did you mean "metrics_public"?)']

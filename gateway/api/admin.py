@@ -1,19 +1,23 @@
 """Gateway's own API under ``/gateway/api``: live status (open) and admin actions (token).
 
-Read-only (no token):
+Read-only (open without ``auth.keys``; with keys, the admin token or an ``admin: true`` key, a
+plain key gets 403; ``/metrics`` stays open with ``auth.metrics_public``):
 
 * ``GET /gateway/api/workers`` → ``{"workers": [{id, model, state, detail, draining, pid, port,
   gpus, slots, busy, restarts, crashes, wedges, crash_loops, n_ctx_slot, kv_fill, deferred, tokens_per_s, gpu}],
-  "queue": {"depth", "max_pending", "by_priority": {prio: n}}, "in_flight", "shutting_down",
+  "queue": {"depth", "max_pending", "by_priority": {prio: n}}, "in_flight" (inference requests
+  queued or running; this poll and other status/admin requests are not counted), "shutting_down",
   "gpus": [{index, name, util_percent, memory_used_bytes, memory_total_bytes, temperature_c,
   power_w}], "recent_errors": [{time, source, message}]}``. ``kv_fill`` (0..1),
   ``deferred`` and ``tokens_per_s`` are null while unknown; ``gpu`` is the first GPU's sample
   or null. Worker keys are never shown.
 * ``GET /metrics``: Prometheus text (gateway/metrics.py).
 
-Admin (``Authorization: Bearer <admin.token>``; compared in constant time). No token
-configured: 403; header missing: 401 with ``WWW-Authenticate: Bearer``; wrong token: 403.
-Errors are ``{"error": "..."}``, application/json.
+Admin (``Authorization: Bearer <admin.token>``, compared in constant time, or with
+``auth.keys`` an ``admin: true`` key). No token configured: 403; header missing or a wrong
+token: 401 with ``WWW-Authenticate: Bearer`` (RFC 9110: the credential is not valid); a valid
+API key without ``admin: true``: 403 (guard middleware). Errors are ``{"error": "..."}``,
+application/json.
 
 * ``POST /gateway/api/admin/workers/{id}/drain``: out of rotation; running requests finish.
 * ``POST /gateway/api/admin/workers/{id}/undrain``: back into rotation.
@@ -70,7 +74,7 @@ def snapshot(gw) -> dict:
             "queue": {"depth": len(gw.dispatcher.queue), "max_pending": gw.dispatcher.max_pending,
                       "by_priority": {str(k): v for k, v in
                                       sorted(gw.dispatcher.queue.depth_by_priority().items())}},
-            "in_flight": len(gw.inflight), "shutting_down": gw.draining,
+            "in_flight": gw.inference_in_flight, "shutting_down": gw.draining,
             "gpus": [g.__dict__ for g in gpus.values()],
             "recent_errors": gw.metrics.errors.list()}
 
@@ -93,12 +97,12 @@ def _check_token(request: web.Request) -> None:
     if not admin_token(config):
         raise ApiError(403, f"admin API disabled: set admin.token in the config or {TOKEN_ENV}")
     auth = request.headers.get("Authorization", "")
+    challenge = {"WWW-Authenticate": 'Bearer realm="llama-gateway admin"'}
     if not auth.startswith("Bearer "):
-        raise ApiError(401, "admin token required: Authorization: Bearer <token>",
-                       {"WWW-Authenticate": 'Bearer realm="llama-gateway admin"'})
+        raise ApiError(401, "admin token required: Authorization: Bearer <token>", challenge)
     if not is_admin_token(auth, config):
         log.warning("admin.bad_token", remote=request.remote, path=request.path)
-        raise ApiError(403, "invalid admin token")
+        raise ApiError(401, "invalid admin token", challenge)
 
 
 def _worker(request: web.Request):

@@ -10,6 +10,12 @@ min(per-slot context, ``-ub`` (default 512)). With ``truncate`` (default true) t
 tokenized and cut to the limit; with ``truncate:false`` → 400 ``the input length exceeds the
 context length`` (Ollama text). Workers need ``embeddings: true`` and a pooling type other than
 ``none`` (the demo model needs ``args: [--pooling, mean]``).
+
+Empty strings in a batch: sent to the worker like any input, as Ollama's ``EmbedHandler`` does
+(routes.go; only a whole ``input: ""`` is the "load the model" answer ``embeddings: []``).
+llama-server embeds an empty text when its tokenizer adds a BOS token; otherwise it refuses it
+(400 ``Input content cannot be empty``, server ``handle_embeddings``), and the gateway answers
+400 naming the input's index (``input[i] is empty ...``) instead of the worker's bare text.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from aiohttp import web
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import require
 from gateway.api.common import make_ticket, read_json, t0_ns
-from gateway.api.errors import BUSY_MESSAGE, ApiError
+from gateway.api.errors import BUSY_MESSAGE, ApiError, model_not_found_v1
 from gateway.api.ollama import resolve_model
 from gateway.api.ollama_mapping import parse_keep_alive
 from gateway.inventory import ModelEntry
@@ -69,8 +75,9 @@ def _is_too_long(e: UpstreamError) -> bool:
             or e.kind == "exceed_context_size_error")
 
 
-async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bool) -> tuple[list[float], int]:
-    """One input → (vector, prompt tokens). Raises ApiError / UpstreamError."""
+async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bool,
+                     index: int) -> tuple[list[float], int]:
+    """Input number ``index`` → (vector, prompt tokens). Raises ApiError / UpstreamError."""
     gw = request.app["gw"]
     limit = input_limit(gw, entry)
     payload = text
@@ -90,6 +97,10 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
     except UpstreamError as e:
         if _is_too_long(e):
             raise ApiError(400, TOO_LONG) from None
+        if e.status == 400 and not text:
+            raise ApiError(400, f"input[{index}] is empty, which model '{entry.name}' cannot "
+                                f"embed: its tokenizer adds no token to an empty text (worker: "
+                                f"{e.message}); remove it or send some text") from None
         raise
     item = (data.get("data") or [{}])[0]
     n = int((data.get("usage") or {}).get("prompt_tokens") or item.get("tokens_evaluated") or 0)
@@ -109,12 +120,12 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
     width = max(1, sum(w.slots for w in gw.dispatcher.workers_for(entry.name)))
     gate = asyncio.Semaphore(width)
 
-    async def one(text):
+    async def one(i, text):
         async with gate:
-            return await _embed_one(request, entry, text, truncate)
+            return await _embed_one(request, entry, text, truncate, i)
 
     try:
-        results = await asyncio.gather(*(one(t) for t in inputs))
+        results = await asyncio.gather(*(one(i, t) for i, t in enumerate(inputs)))
     except Unavailable as e:  # no worker can take it: drained, crash-loop failed, removed, stopping
         raise ApiError(e.status, str(e), e.headers(gw.config.queue.retry_after_s)) from None
     except QueueFull:
@@ -136,6 +147,11 @@ def _dimensions(body: dict) -> int:
 
 
 async def _checked_entry(request: web.Request, body: dict, missing_status: int) -> ModelEntry:
+    """The embedding model ``body`` names; an unknown one is Ollama's 404 ``model '<name>' not
+    found``, or OpenAI's ``model_not_found`` on ``/v1``."""
+    if request.path.startswith("/v1/") and isinstance(body.get("model"), str) and \
+            request.app["gw"].inventory.resolve(body["model"]) is None:
+        raise model_not_found_v1(body["model"])
     entry = resolve_model(request, body, missing_status=missing_status)
     parse_keep_alive(body.get("keep_alive"))
     await require(request.app["gw"], entry, "embedding", body["model"])
@@ -205,8 +221,9 @@ async def v1_embeddings(request: web.Request) -> web.Response:
         inputs = raw
     else:
         raise ApiError(400, "invalid input type: expected a string, a list of strings or token arrays")
-    if any(t == "" or t == [] for t in inputs):
-        raise ApiError(400, "input must not be empty")
+    for i, t in enumerate(inputs):
+        if t == []:
+            raise ApiError(400, f"input[{i}] is an empty token array")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise ApiError(400, f"invalid encoding_format: {fmt!r} (expected float or base64)")

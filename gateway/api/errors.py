@@ -1,7 +1,8 @@
 """Error bodies in each API's own shape, always ``application/json``.
 
 Ollama: ``{"error": "<string>"}`` (docs/api/errors.mdx; every ``gin.H{"error":…}`` in routes.go).
-OpenAI: ``{"error": {"message", "type", "param": null, "code": null}}`` (Ollama's openai.NewError).
+OpenAI: ``{"error": {"message", "type", "param": null, "code": null}}`` (Ollama's openai.NewError);
+``code`` is set where OpenAI sets one (``model_not_found``, :func:`model_not_found_v1`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,26 @@ BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceede
 
 
 class ApiError(Exception):
-    """Raised by handlers to answer ``status`` with ``message`` in the route's shape."""
+    """Raised by handlers to answer ``status`` with ``message`` in the route's shape.
 
-    def __init__(self, status: int, message: str, headers: dict | None = None):
+    ``code`` / ``type``: the OpenAI error object's ``code`` and ``type`` on ``/v1`` routes (type
+    defaults to one derived from the status, :func:`openai_error_type`); unused on ``/api``."""
+
+    def __init__(self, status: int, message: str, headers: dict | None = None, *,
+                 code: str | None = None, type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
+        self.code, self.type = code, type
+
+
+def model_not_found_v1(name: str) -> ApiError:
+    """What ``/v1`` answers for a model that is not served or that the caller's API key may not
+    use, alike (so ``/v1/models/{id}`` and the inference routes agree): OpenAI's own answer,
+    404 ``{"message": "The model `<name>` does not exist or you do not have access to it.",
+    "type": "invalid_request_error", "param": null, "code": "model_not_found"}`` (as the OpenAI
+    API returns it, quoted in openai-python users' issues and client test fixtures)."""
+    return ApiError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                    code="model_not_found", type="invalid_request_error")
 
 
 def ollama_error(status: int, message: str, headers: dict | None = None) -> web.Response:
@@ -34,11 +50,21 @@ def openai_error_type(status: int) -> str:
             503: "server_error"}.get(status, "api_error")
 
 
-def openai_error_body(status: int, message: str) -> dict:
-    return {"error": {"message": message, "type": openai_error_type(status), "param": None,
-                      "code": None}}
+def openai_error_body(status: int, message: str, code: str | None = None,
+                      type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type or openai_error_type(status),
+                      "param": None, "code": code}}
 
 
-def openai_error(status: int, message: str, headers: dict | None = None) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(openai_error_body(status, message)),
+def openai_error(status: int, message: str, headers: dict | None = None, *,
+                 code: str | None = None, type: str | None = None) -> web.Response:
+    return web.Response(status=status,
+                        body=orjson.dumps(openai_error_body(status, message, code, type)),
                         content_type="application/json", headers=headers)
+
+
+def error_response(path: str, e: ApiError) -> web.Response:
+    """``e`` in the shape of the API that ``path`` belongs to (``/v1/…`` OpenAI, else Ollama)."""
+    if path.startswith("/v1/"):
+        return openai_error(e.status, e.message, e.headers, code=e.code, type=e.type)
+    return ollama_error(e.status, e.message, e.headers)

@@ -2,7 +2,9 @@
 
 llama-server already speaks this dialect, so completions are relayed: the request body goes up
 with the model name canonicalised; a non-streamed answer comes back as is, a stream is relayed
-event by event with usage normalised (see ``_relay_stream``). Errors use the OpenAI error object (Ollama openai.NewError shape).
+event by event with usage normalised (see ``_relay_stream``). Errors use the OpenAI error object (Ollama openai.NewError shape);
+a model that is not served or that the API key may not use is OpenAI's 404 ``model_not_found``
+(gateway/api/errors.py ``model_not_found_v1``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN
 from gateway.api.common import make_ticket, read_json, start_stream, visible_entries
 from gateway.api.capabilities import require
-from gateway.api.errors import BUSY_MESSAGE, ApiError, openai_error, openai_error_body
+from gateway.api.errors import (BUSY_MESSAGE, ApiError, model_not_found_v1, openai_error,
+                                openai_error_body)
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage
 from gateway.upstream import UpstreamError, iter_sse_batches, read_all
@@ -34,7 +37,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         raise ApiError(400, "model is required")
     entry = gw.inventory.resolve(name)
     if entry is None:
-        raise ApiError(404, f"model '{name}' not found")
+        raise model_not_found_v1(name)
     if required not in body:
         raise ApiError(400, f"{required} is required")
     if required == "messages":
@@ -211,11 +214,13 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}``: a model that is not served and one the API key may not use both
+    get OpenAI's 404 ``model_not_found``, as the inference routes answer them."""
     gw = _gw(request)
     name = request.match_info["model"]
     e = gw.inventory.resolve(name)
     if e is None or e not in visible_entries(request):
-        return openai_error(404, f"model '{name}' not found")
+        raise model_not_found_v1(name)
     return web.json_response(_model_obj(e), dumps=lambda o: orjson.dumps(o).decode())
 
 

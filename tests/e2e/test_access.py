@@ -9,6 +9,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.auth import hash_key
 from tests.conftest import base_config, free_port
@@ -16,12 +17,24 @@ from tests.conftest import base_config, free_port
 pytestmark = pytest.mark.slow
 
 ADMIN, WEB, LIMITED = "admin-key-1", "web-key-2", "limited-key-3"
+ADMIN_TOKEN = "admin-token-0"
+
+
+def requests_total(url: str, endpoint: str, model: str, status: int) -> float:
+    """``llama_gateway_requests_total`` of one label set, scraped with the admin token."""
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).text
+    want = {"endpoint": endpoint, "model": model, "status": str(status)}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "llama_gateway_requests_total" and s.labels == want:
+                return s.value
+    return 0.0
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     from tests.conftest import start_gateway
-    cfg = base_config(free_port(), auth={"keys": [
+    cfg = base_config(free_port(), admin={"token": ADMIN_TOKEN}, auth={"keys": [
         {"name": "ops", "sha256": hash_key(ADMIN), "admin": True},
         {"name": "webui", "sha256": hash_key(WEB), "models": ["demo"], "priority": 5},
         {"name": "batch", "sha256": hash_key(LIMITED), "models": ["other"],
@@ -64,14 +77,85 @@ def test_real_clients_with_keys(secured):
 
 def test_model_not_allowed_403(secured):
     h = {"Authorization": f"Bearer {WEB}"}
+    before = requests_total(secured.url, "/api/generate", "other:latest", 403)
     r = httpx.post(secured.url + "/api/generate", headers=h,
                    json={"model": "other", "prompt": "x", "stream": False})
     assert r.status_code == 403 and r.json() == {"error": "key 'webui' may not use model 'other'"}
-    r = httpx.post(secured.url + "/v1/chat/completions", headers=h,
-                   json={"model": "other:latest", "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    # counted under the model it asked for (a configured one), not model=""
+    assert requests_total(secured.url, "/api/generate", "other:latest", 403) == before + 1
     r = httpx.get(secured.url + "/gateway/api/workers", headers=h)
     assert r.status_code == 403  # admin endpoints need an admin key
+
+
+def test_pull_of_a_model_the_key_may_not_use_403(secured):
+    """/api/pull answers a forbidden model as the inference routes do (403), not "success"."""
+    web = ollama.Client(host=secured.url, headers={"Authorization": f"Bearer {WEB}"})
+    for stream in (False, True):
+        with pytest.raises(ollama.ResponseError) as e:
+            out = web.pull("other", stream=stream)
+            if stream:
+                list(out)
+        assert (e.value.status_code, e.value.error) == (403, "key 'webui' may not use model 'other'")
+    r = httpx.post(secured.url + "/api/pull", headers={"Authorization": f"Bearer {WEB}"},
+                   json={"name": "other:latest", "stream": False})
+    assert r.status_code == 403 and r.json() == {"error": "key 'webui' may not use model 'other:latest'"}
+    assert web.pull("demo", stream=False).status == "success"
+    admin = ollama.Client(host=secured.url, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert admin.pull("other", stream=False).status == "success"
+
+
+def test_v1_model_the_key_may_not_use_is_openai_model_not_found(secured):
+    """On /v1 a model the key may not use answers as OpenAI does for a model without access,
+    alike on /v1/models/{id} and the inference routes, and alike for a model not served:
+    404 invalid_request_error, code model_not_found."""
+    oc = openai.OpenAI(base_url=secured.url + "/v1", api_key=WEB)
+    calls = [lambda m: oc.models.retrieve(m),
+             lambda m: oc.chat.completions.create(model=m, max_tokens=2,
+                                                  messages=[{"role": "user", "content": "x"}]),
+             lambda m: oc.completions.create(model=m, prompt="x", max_tokens=2),
+             lambda m: oc.embeddings.create(model=m, input="x")]
+    for name in ("other", "other:latest", "nope"):
+        for call in calls:
+            with pytest.raises(openai.NotFoundError) as e:
+                call(name)
+            assert e.value.code == "model_not_found"
+            assert e.value.body == {
+                "message": f"The model `{name}` does not exist or you do not have access to it.",
+                "type": "invalid_request_error", "param": None, "code": "model_not_found"}
+    # a key that may use it gets it
+    assert openai.OpenAI(base_url=secured.url + "/v1", api_key=ADMIN).models.retrieve("other").id == "other:latest"
+    # Ollama routes keep Ollama's shape: 403 for a forbidden model, 404 for an unknown one
+    r = httpx.post(secured.url + "/api/show", headers={"Authorization": f"Bearer {WEB}"},
+                   json={"model": "other"})
+    assert r.status_code == 403 and r.json() == {"error": "key 'webui' may not use model 'other'"}
+
+
+def test_metrics_need_the_admin_token_or_an_admin_key(secured):
+    """With auth.keys, /metrics (every model and worker by name) is the gateway's own data:
+    no or an unknown credential 401, a plain key 403, the admin token or an admin key 200."""
+    url = secured.url + "/metrics"
+    r = httpx.get(url)
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")
+    assert "admin token" in r.json()["error"]
+    assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    r = httpx.get(url, headers={"Authorization": f"Bearer {WEB}"})
+    assert r.status_code == 403 and r.json() == {"error": "key 'webui' may not use /metrics"}
+    for cred in (ADMIN, ADMIN_TOKEN):
+        r = httpx.get(url, headers={"Authorization": f"Bearer {cred}"})
+        assert r.status_code == 200 and "llama_gateway_worker_up" in r.text
+
+
+def test_wrong_admin_token_401_valid_key_without_admin_403(secured):
+    """401 = no valid credential (missing, unknown key, wrong admin token); 403 = a valid key
+    without permission."""
+    api = secured.url + "/gateway/api/admin/workers/demo-cpu0/undrain"
+    for headers in ({}, {"Authorization": "Bearer wrong-token"}):
+        r = httpx.post(api, headers=headers)
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer"), r.text
+    r = httpx.post(api, headers={"Authorization": f"Bearer {WEB}"})
+    assert r.status_code == 403 and r.json() == {
+        "error": "key 'webui' may not use /gateway/api/admin/workers/demo-cpu0/undrain"}
+    assert httpx.post(api, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).status_code == 200
 
 
 def test_model_lists_show_only_the_keys_models(secured):
@@ -81,8 +165,6 @@ def test_model_lists_show_only_the_keys_models(secured):
     assert names(httpx.get(secured.url + "/api/ps", headers=web)) == ["demo:latest"]
     oc = openai.OpenAI(base_url=secured.url + "/v1", api_key=WEB)
     assert [m.id for m in oc.models.list()] == ["demo:latest"]
-    with pytest.raises(openai.NotFoundError):
-        oc.models.retrieve("other")
     admin = {"Authorization": f"Bearer {ADMIN}"}  # a key without a model list sees all
     assert names(httpx.get(secured.url + "/api/tags", headers=admin)) == ["demo:latest", "other:latest"]
     assert [m.model for m in ollama.Client(host=secured.url, headers=web).list().models] == ["demo:latest"]
@@ -90,6 +172,7 @@ def test_model_lists_show_only_the_keys_models(secured):
 
 def test_per_key_concurrency_and_rate(secured):
     h = {"Authorization": f"Bearer {LIMITED}"}
+    refused = requests_total(secured.url, "/api/generate", "other:latest", 429)
     body = {"model": "other", "prompt": "a", "raw": True, "stream": False,
             "options": {"num_predict": 3000}}
     with cf.ThreadPoolExecutor(2) as ex:
@@ -108,6 +191,8 @@ def test_per_key_concurrency_and_rate(secured):
                    json={**body, "options": {"num_predict": 2}})
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
     assert "rate limit" in r.json()["error"]
+    # both refusals are counted under the model they asked for
+    assert requests_total(secured.url, "/api/generate", "other:latest", 429) == refused + 2
 
 
 def test_host_header_checked_on_loopback(secured):
@@ -152,10 +237,11 @@ def test_cors_off_by_default_and_worker_needs_its_key(gateway):
 
 
 def test_admin_token_and_keys_together_and_reload_of_keys(tmp_path, gateway_factory):
-    """With ``auth.keys`` set, the admin token still opens the admin API and ``status``, an
-    ``admin: true`` key does too, a plain key does not; the status page HTML is open (its data
-    is not); a reload that removes a key revokes it at once and an added key works at once;
-    concurrency caps count inference only (a UI may poll /api/tags during a stream)."""
+    """With ``auth.keys`` set, the admin token still opens the admin API, ``status`` and
+    ``/metrics``, an ``admin: true`` key does too, a plain key does not; the status page HTML is
+    open (its data is not); a reload that removes a key revokes it at once and an added key
+    works at once, and ``auth.metrics_public`` opens /metrics at once; concurrency caps count
+    inference only (a UI may poll /api/tags during a stream)."""
     import json
     import signal
     import subprocess
@@ -186,6 +272,8 @@ def test_admin_token_and_keys_together_and_reload_of_keys(tmp_path, gateway_fact
     assert httpx.get(url + "/gateway").status_code == 200
     assert httpx.get(url + "/gateway/api/workers").status_code == 401
     assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer admintok"}).status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {WEB}"}).status_code == 403
 
     # a stream of the capped key runs; its /api/tags poll is not refused
     web = {"Authorization": f"Bearer {WEB}"}
@@ -201,6 +289,7 @@ def test_admin_token_and_keys_together_and_reload_of_keys(tmp_path, gateway_fact
     new = yaml.safe_load(gw.cfg_path.read_text())
     new["auth"]["keys"] = [new["auth"]["keys"][0],
                            {"name": "fresh", "sha256": hash_key("fresh-key-4")}]
+    new["auth"]["metrics_public"] = True
     gw.cfg_path.write_text(yaml.safe_dump(new))
     gw.proc.send_signal(signal.SIGHUP)
     end = time.monotonic() + 30
@@ -209,3 +298,6 @@ def test_admin_token_and_keys_together_and_reload_of_keys(tmp_path, gateway_fact
     assert httpx.get(url + "/api/tags", headers=web).status_code == 401  # revoked
     assert httpx.get(url + "/api/tags",
                      headers={"Authorization": "Bearer fresh-key-4"}).status_code == 200
+    # auth.metrics_public: /metrics open to a scraper without credentials, the rest still not
+    assert "llama_gateway_worker_up" in httpx.get(url + "/metrics").text
+    assert httpx.get(url + "/gateway/api/workers").status_code == 401

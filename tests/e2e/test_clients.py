@@ -68,7 +68,7 @@ def test_root_version_and_unknown_model(gateway):
     assert r.status_code == 404 and r.json() == {"error": "model 'nope' not found"}
     r = httpx.post(gateway.url + "/v1/chat/completions", json={"model": "nope", "messages": [
         {"role": "user", "content": "x"}]})
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_client_closing_a_stream_is_a_cancel_not_an_error(gateway):

@@ -68,7 +68,7 @@ def test_models_list_and_retrieve(client):
     assert m.id == "demo:latest" and m.object == "model" and m.created > 0
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("nope")
-    assert e.value.body["type"] == "not_found_error"
+    assert e.value.code == "model_not_found" and e.value.body["type"] == "invalid_request_error"
 
 
 def test_embeddings_indexes(client):
@@ -96,8 +96,9 @@ def test_case5_and_21_errors_are_openai_objects(gw, client):
                                             messages=[{"role": "user", "content": long}]))
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="nope", messages=MSG)
-    assert e.value.body == {"message": "model 'nope' not found", "type": "not_found_error",
-                            "param": None, "code": None}
+    assert e.value.body == {  # OpenAI's answer for a model that does not exist
+        "message": "The model `nope` does not exist or you do not have access to it.",
+        "type": "invalid_request_error", "param": None, "code": "model_not_found"}
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="demo", messages=[])
     for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405),

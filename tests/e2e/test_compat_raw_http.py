@@ -134,7 +134,8 @@ def test_case21_and_24_error_shapes_root_version(gw):
     r = httpx.post(gw.url + "/api/show", json={"model": "x"})
     assert (r.status_code, r.json()) == (404, {"error": "model 'x' not found"})
     r = httpx.post(gw.url + "/v1/completions", json={"model": "x", "prompt": "p"})
-    assert r.status_code == 404 and r.json()["error"]["message"] == "model 'x' not found"
+    assert r.status_code == 404 and r.json()["error"]["message"] == \
+        "The model `x` does not exist or you do not have access to it."
     r = httpx.post(gw.url + "/api/chat", content=b"{not json")
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
     assert httpx.get(gw.url + "/").text == "Ollama is running"

@@ -9,6 +9,7 @@ import math
 
 import httpx
 import ollama
+import openai
 import pytest
 
 from tests.conftest import base_config, free_port
@@ -19,9 +20,15 @@ pytestmark = pytest.mark.slow
 TEXTS = ["alpha", "beta beta", "gamma gamma gamma", "delta " * 400, "epsilon"]  # [3] > 256 tokens
 
 
+#: The demo model made to add a BOS token (llama.cpp ``--override-kv``), so that llama-server
+#: has a token to embed for an empty text; the plain demo model adds none and refuses it.
+BOS_ARGS = ["--override-kv", "tokenizer.ggml.add_bos_token=bool:true"]
+
+
 @pytest.fixture(scope="module")
 def gw(module_gateway_factory):
-    return module_gateway_factory(base_config(free_port(), models=[embed_model(cpu=2, context=256)]))
+    return module_gateway_factory(base_config(free_port(), models=[
+        embed_model(cpu=2, context=256), {**embed_model("embedbos"), "args": BOS_ARGS}]))
 
 
 def test_case25_batch_order_truncation_and_legacy(gw):
@@ -69,3 +76,30 @@ def test_concurrent_batches_spread_without_mixing(gw):
         if ev.get("event") == "request.done" and ev.get("path") == "/api/embed" and ev.get("worker"):
             used.update(ev["worker"].split(","))
     assert used == {"embed-cpu0", "embed-cpu1"}
+
+
+def test_empty_string_in_a_batch_is_embedded_or_named(gw):
+    """An empty string inside a batch goes to the worker as Ollama sends it: embedded when the
+    model's tokenizer adds a token to it, else 400 naming its index (not the worker's bare
+    "Input content cannot be empty" for the whole batch); the same on /v1/embeddings."""
+    client = ollama.Client(host=gw.url)
+    r = client.embed(model="embedbos", input=["alpha", "", "beta beta"])
+    assert len(r.embeddings) == 3 and all(len(v) == 64 for v in r.embeddings)
+    assert math.isclose(sum(x * x for x in r.embeddings[1]), 1.0, rel_tol=1e-6)
+    assert r.embeddings[1] != r.embeddings[0]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="embed", input=["alpha", "beta", ""])
+    assert e.value.status_code == 400
+    assert e.value.error.startswith("input[2] is empty, which model 'embed:latest' cannot embed")
+    oc = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused")
+    out = oc.embeddings.create(model="embedbos", input=["", "alpha"])
+    assert [d.index for d in out.data] == [0, 1] and len(out.data[0].embedding) == 64
+    with pytest.raises(openai.BadRequestError) as e2:
+        oc.embeddings.create(model="embed", input=["alpha", ""])
+    assert e2.value.body["message"].startswith("input[1] is empty")
+    r = httpx.post(gw.url + "/v1/embeddings", json={"model": "embed", "input": [[1, 2], []]})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "input[1] is an empty token array"
+    # a whole empty input stays Ollama's "load the model" answer
+    assert httpx.post(gw.url + "/api/embed", json={"model": "embed", "input": ""}).json() == \
+        {"model": "embed", "embeddings": []}

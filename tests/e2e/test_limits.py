@@ -7,6 +7,7 @@ import socket
 import time
 
 import httpx
+import openai
 import pytest
 
 from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
@@ -65,6 +66,30 @@ def test_prompt_longer_than_slot_context_400(gateway_factory):
     r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "short", "stream": False,
                                                    "options": {"num_predict": 4}}, timeout=30)
     assert r.status_code == 200 and r.json()["done"] is True
+    # Fields the route does not send to the worker are not counted: a `prompt` or `system` on
+    # /api/chat, a `system` on /v1/chat/completions, a `system` on /api/show; with `raw` or
+    # `suffix`, /api/generate sends no system prompt either.
+    msgs = [{"role": "user", "content": "short"}]
+    for path, body in [
+            ("/api/chat", {"model": "demo", "stream": False, "prompt": prompt, "system": prompt,
+                           "messages": msgs, "options": {"num_predict": 2}}),
+            ("/v1/chat/completions", {"model": "demo", "system": prompt, "prompt": prompt,
+                                      "messages": msgs, "max_tokens": 2}),
+            ("/api/show", {"model": "demo", "system": prompt})]:
+        r = httpx.post(gw.url + path, json=body, timeout=30)
+        assert r.status_code == 200, (path, r.text)
+    oc = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused")
+    out = oc.chat.completions.create(model="demo", messages=msgs, max_tokens=2,
+                                     extra_body={"system": prompt})
+    assert out.choices[0].finish_reason == "length"
+    # what the route does send still counts: a long system prompt on /api/generate, each
+    # prompt of a /v1/completions list
+    r = httpx.post(gw.url + "/api/generate", timeout=30,
+                   json={"model": "demo", "system": prompt, "prompt": "short", "stream": False})
+    assert r.status_code == 400 and r.json()["error"].startswith(CONTEXT_OVERFLOW_MESSAGE)
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.completions.create(model="demo", prompt=["short", prompt], max_tokens=2)
+    assert e.value.body["message"].startswith(CONTEXT_OVERFLOW_MESSAGE)
 
 
 def test_slow_headers_and_body_are_cut(limited):

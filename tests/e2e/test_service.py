@@ -126,6 +126,16 @@ def test_metrics_count_requests_and_tokens(gateway):
     assert s[("llama_gateway_worker_kv_fill_ratio", w0)] == 0  # idle worker
     assert s[("llama_gateway_worker_requests_deferred", w0)] == 0
     assert s[("llama_gateway_queue_depth", (("priority", "0"),))] == 0
+    # in flight = inference requests only: neither this scrape nor a status poll counts
+    assert s[("llama_gateway_in_flight_requests", ())] == 0
+    assert gw.status()["in_flight"] == 0
+    with httpx.Client(timeout=60) as c, c.stream("POST", gw.url + "/api/generate", json={
+            "model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 4000}}) as st:
+        lines = st.iter_lines()
+        next(lines)
+        during = _samples(c.get(gw.url + "/metrics").text)
+        assert during[("llama_gateway_in_flight_requests", ())] == 1
+        assert c.get(gw.url + "/gateway/api/workers").json()["in_flight"] == 1
 
 
 def test_admin_token_drain_undrain_restart_and_cli_status(gateway_factory):
@@ -135,7 +145,8 @@ def test_admin_token_drain_undrain_restart_and_cli_status(gateway_factory):
     assert r.status_code == 401 and r.json()["error"].startswith("admin token required")
     assert r.headers["content-type"] == "application/json"
     r = httpx.post(api + "/drain", headers={"Authorization": "Bearer wrong"})
-    assert r.status_code == 403 and r.json() == {"error": "invalid admin token"}
+    assert r.status_code == 401 and r.json() == {"error": "invalid admin token"}
+    assert r.headers["WWW-Authenticate"].startswith("Bearer")
     r = httpx.post(gw.url + "/gateway/api/admin/workers/nope/drain",
                    headers={"Authorization": "Bearer s3cret"})
     assert r.status_code == 404
@@ -172,7 +183,7 @@ def test_admin_token_drain_undrain_restart_and_cli_status(gateway_factory):
     assert after["demo-cpu0"]["pid"] == before["demo-cpu0"]["pid"]
     bad = subprocess.run(cli + ["worker", "drain", "demo-cpu1"], cwd=ROOT,
                          env={**env, "LLAMA_GATEWAY_ADMIN_TOKEN": "x"}, capture_output=True, text=True)
-    assert bad.returncode == 1 and "HTTP 403: invalid admin token" in bad.stderr
+    assert bad.returncode == 1 and "HTTP 401: invalid admin token" in bad.stderr
 
 
 def test_every_worker_drained_answers_503_at_once_and_frees_the_queue(gateway_factory):
