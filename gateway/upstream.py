@@ -82,6 +82,17 @@ def parse_error_body(status: int, body: bytes) -> UpstreamError:
         return UpstreamError(status, body.decode("utf-8", "replace")[:500] or f"HTTP {status}")
 
 
+def error_event(err) -> UpstreamError:
+    """The ``error`` of a llama-server ``{"error": {"code", "message", "type"}}`` SSE event (sent
+    when a stream fails after it began) as UpstreamError: status = its ``code`` (500 when absent
+    or not an integer), the status llama-server answers the same error with non-streamed."""
+    if not isinstance(err, dict):
+        return UpstreamError(500, str(err))
+    code = err.get("code", 500)
+    return UpstreamError(code if isinstance(code, int) else 500, err.get("message", str(err)),
+                         err.get("type", ""))
+
+
 class Upstream:
     """Inference requests go through :mod:`gateway.worker_http` (a fresh connection each, see
     module doc); ``session`` is the aiohttp session of the side calls (tokenize, templates).
@@ -143,7 +154,12 @@ class Upstream:
         finishes the generation anyway (seen with a standalone worker; streamed requests stop
         within ~0.5 s). So the slot stays leased, and the answer is read and dropped, until the
         worker is done or the request deadline passes; only then is the slot given back, and
-        the scheduler never sends that worker more requests than it has slots."""
+        the scheduler never sends that worker more requests than it has slots.
+
+        Completions are streamed from the worker whenever llama-server allows it (``/api/*``
+        and ``/v1``, whose non-streamed answers the gateway assembles), so this is left for the
+        requests that go up non-streamed: embeddings and ``/v1`` chat with ``logprobs`` and
+        ``tools`` (which llama-server refuses to stream)."""
         async def finish() -> None:
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
@@ -251,7 +267,7 @@ class Upstream:
 
 # What a client reads when the worker's connection ends mid-answer (crash, kill, restart); the
 # transport detail (connection reset, malformed chunk …) goes to the log, not to the user.
-_BROKE = "the worker stopped in the middle of the answer (connection lost); please retry"
+BROKE_MESSAGE = "the worker stopped in the middle of the answer (connection lost); please retry"
 
 
 def _sse_payload(line: bytes) -> bytes | None:
@@ -295,7 +311,7 @@ async def iter_sse_batches(resp: WorkerResponse) -> AsyncIterator[list[bytes]]:
             yield [data]
     except WorkerPayloadError as e:
         log.warning("upstream.stream_broken", error=str(e))
-        raise UpstreamError(502, _BROKE, "stream_broken") from e
+        raise UpstreamError(502, BROKE_MESSAGE, "stream_broken") from e
     except asyncio.TimeoutError as e:
         raise UpstreamError(504, "worker stalled mid-stream", "stall") from e
 
@@ -315,7 +331,7 @@ async def iter_raw(resp: WorkerResponse) -> AsyncIterator[bytes]:
             yield chunk
     except WorkerPayloadError as e:
         log.warning("upstream.stream_broken", error=str(e))
-        raise UpstreamError(502, _BROKE, "stream_broken") from e
+        raise UpstreamError(502, BROKE_MESSAGE, "stream_broken") from e
 
 
 async def read_all(resp: WorkerResponse) -> bytes:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from gateway.api.errors import CONTEXT_OVERFLOW_MESSAGE, ApiError
+from gateway.api.openai_fold import fold_tool_call_deltas
 
 # api/types.go DefaultOptions (the ones Ollama always sends to its runner).
 OLLAMA_DEFAULTS: dict = {
@@ -153,13 +154,7 @@ class StreamState:
         delta = ch.get("delta") or ch.get("message") or {}
         if (ch.get("logprobs") or {}).get("content"):
             self.logprobs.extend(ollama_logprobs(ch["logprobs"]["content"]))
-        for tc in delta.get("tool_calls") or ():
-            slot = self.tool_calls.setdefault(tc.get("index", len(self.tool_calls)),
-                                              {"id": "", "name": "", "arguments": ""})
-            slot["id"] += tc.get("id") or ""
-            fn = tc.get("function") or {}
-            slot["name"] += fn.get("name") or ""
-            slot["arguments"] += fn.get("arguments") or ""
+        fold_tool_call_deltas(self.tool_calls, delta.get("tool_calls"))
         fr = ch.get("finish_reason")
         if fr:
             self.done_reason = "length" if fr == "length" else "stop"

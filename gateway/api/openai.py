@@ -1,9 +1,13 @@
 """OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
 llama-server already speaks this dialect, so completions are relayed: the request body goes up
-with the model name canonicalised; a non-streamed answer comes back as is, a stream is relayed
-event by event with usage normalised (see ``_relay_stream``). Errors use the OpenAI error object (Ollama openai.NewError shape);
-a model that is not served or that the API key may not use is OpenAI's 404 ``model_not_found``
+with the model name canonicalised; a stream is relayed event by event with usage normalised
+(see ``_relay_stream``). A non-streamed request is streamed from the worker too and folded into
+the object llama-server would have answered (``openai_fold``), so a client that leaves stops
+the worker within about 0.5 s and the first-byte watchdog covers it; only chat with
+``logprobs`` and ``tools``, which llama-server refuses to stream, goes up non-streamed.
+Errors use the OpenAI error object (Ollama openai.NewError shape); a model that is not served
+or that the API key may not use is OpenAI's 404 ``model_not_found``
 (gateway/api/errors.py ``model_not_found_v1``).
 """
 
@@ -18,9 +22,10 @@ from gateway.api.common import make_ticket, read_json, start_stream, visible_ent
 from gateway.api.capabilities import require
 from gateway.api.errors import (BUSY_MESSAGE, ApiError, model_not_found_v1, openai_error,
                                 openai_error_body)
+from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage
-from gateway.upstream import UpstreamError, iter_sse_batches, read_all
+from gateway.upstream import UpstreamError, error_event, iter_sse_batches, read_all
 
 log = get_logger("gateway.api.openai")
 
@@ -69,7 +74,12 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         raise ApiError(400, "stream_options must be an object")
     include_usage = bool((so or {}).get("include_usage"))
     body["model"] = entry.name
-    if stream:  # always ask upstream; what the client sees is decided in _relay_stream
+    # A non-streamed request is streamed from the worker and folded (module doc); its
+    # stream_options change nothing the client sees, as llama-server ignores them then.
+    fold = None if stream or needs_non_streamed_upstream(body, required == "messages") else \
+        OpenAIFold(chat=required == "messages")
+    if stream or fold is not None:  # always ask upstream; the client's view is decided in _relay_stream
+        body["stream"] = True
         body["stream_options"] = {**(so or {}), "include_usage": True}
     _bound_max_tokens(gw, body)
     entry.touch(None)
@@ -81,6 +91,10 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     try:
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
             note_lease(request, lease)
+            if fold is not None:
+                data = await _fold_stream(request, resp, fold)
+                note_openai_usage(request, data)
+                return web.Response(body=data, content_type="application/json")
             if not stream:
                 data = await read_all(resp)
                 note_openai_usage(request, data)
@@ -177,11 +191,7 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
             if "error" in ev:
                 if parts:
                     await out.write(b"".join(parts))
-                err = ev["error"]
-                msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-                kind = err.get("type", "") if isinstance(err, dict) else ""
-                code = err.get("code", 500) if isinstance(err, dict) else 500
-                raise UpstreamError(code if isinstance(code, int) else 500, msg, kind)
+                raise error_event(ev["error"])
             usage = ev.pop("usage", None)
             if ev.get("choices"):
                 parts.append(_sse(ev))
@@ -191,6 +201,16 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
         if parts:  # everything that arrived together goes out in one write
             await out.write(b"".join(parts))
     await out.write(b"data: [DONE]\n\n")
+
+
+async def _fold_stream(request: web.Request, resp, fold: OpenAIFold) -> bytes:
+    """Read the worker's whole stream into ``fold``; returns the non-streamed JSON body.
+    Raises UpstreamError for an error event, a broken stream or one that ended early."""
+    async for batch in iter_sse_batches(resp):
+        note_first_byte(request)
+        for data in batch:
+            fold.add(orjson.loads(data))
+    return orjson.dumps(fold.result())
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

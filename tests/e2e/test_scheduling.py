@@ -178,14 +178,18 @@ def test_non_streaming_disconnect_frees_slot(gw1):
     assert gateway_state(gw1)["workers"][0]["busy"] == 0
 
 
-def test_non_streamed_v1_disconnect_keeps_the_slot_leased_until_the_worker_is_done(gw1):
+def test_non_streamed_upstream_disconnect_keeps_the_slot_leased_until_the_worker_is_done(gw1):
     """Found by a fresh tester: llama-server does not notice a closed connection on a
     non-streamed request, so a /v1 stream:false request whose client left kept generating
     while the gateway counted its slot free and sent the next request to a busy worker. The
-    gateway now holds the lease until the worker has finished that answer."""
+    gateway now holds the lease until the worker has finished that answer. Other /v1 requests
+    are streamed from the worker now (tests/e2e/test_nonstreamed_v1.py); chat with logprobs
+    and tools, which llama-server refuses to stream, still goes up non-streamed."""
     w = gw1.workers()[0]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     th, out = _post_in_thread(gw1.url + "/v1/chat/completions", {
-        "model": "demo", "max_tokens": 2500, "messages": [{"role": "user", "content": "go"}]}, 0.3)
+        "model": "demo", "max_tokens": 2500, "messages": [{"role": "user", "content": "go"}],
+        "logprobs": True, "top_logprobs": 1, "tools": tools}, 0.3)
     th.join()
     assert "error" in out
     worker_busy = any(s.get("is_processing") for s in gw1.slots(w))

@@ -11,6 +11,7 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import base_config, free_port, pid_alive
@@ -94,6 +95,53 @@ def test_a_retry_goes_to_another_worker_not_back_to_the_silent_one(tmp_path, gat
         assert len(retries) <= 1, retries
 
 
+def test_non_streamed_v1_on_a_silent_worker_is_retried_or_failed_like_a_stream(tmp_path,
+                                                                              gateway_factory):
+    """Case 10 for non-streamed /v1 requests: they are streamed from the worker, so the
+    first-byte watchdog covers them (before, only timeouts.request_s did). A request that
+    lands on the silent worker is retried on the real one after first_byte_s; with only a
+    silent worker it fails with a 504 JSON after the retries instead of hanging."""
+    binary = fake_binary(tmp_path, "silent", real=str(ensure_llama_server()))
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
+                                                  "wedge_after_stalls": 100},
+                      timeouts={"first_byte_s": 1.0}, scheduler={"prefix_affinity": False})
+    gw = gateway_factory(cfg)
+    wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def ask(rid: str):
+        t0 = time.monotonic()
+        r = client.chat.completions.create(model="demo", max_tokens=4, extra_headers={
+            "X-Request-ID": rid}, messages=[{"role": "user", "content": rid}])
+        return r, time.monotonic() - t0
+
+    retried = []
+    for wave in range(4):  # two at once: one of each pair goes to the other (silent) worker
+        with cf.ThreadPoolExecutor(2) as ex:
+            results = list(ex.map(ask, [f"ns-{wave}-{i}" for i in range(2)]))
+        for r, took in results:
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+            assert took < 10
+        retried = [ln for ln in gw.log_path.read_text().splitlines()
+                   if '"upstream.retry"' in ln and '"ns-' in ln]
+        if retried:
+            break
+    assert retried and "sent nothing within 1 s" in retried[0]
+
+    (tmp_path / "all").mkdir()
+    only_silent = fake_binary(tmp_path / "all", "silent", first_only=False)
+    cfg = base_config(free_port(), llama_server={"binary": str(only_silent),
+                                                  "wedge_after_stalls": 100},
+                      timeouts={"first_byte_s": 1.0})
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = gateway_factory(cfg)
+    t0 = time.monotonic()
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "demo", "prompt": "hi",
+                                                     "max_tokens": 4}, timeout=60)
+    assert r.status_code == 504 and "sent nothing within 1 s" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 10  # 3 tries of 1 s, not timeouts.request_s (3600 s)
+
+
 def test_wedged_worker_streams_end_with_error_and_it_restarts(tmp_path, gateway_factory):
     """Case 11: a worker that stops mid-stream, whose /slots hangs and which ignores SIGTERM.
     Liveness (/slots with a timeout) marks it wedged: its stream ends with an error line,
@@ -143,6 +191,10 @@ def test_inter_token_watchdog_ends_stalled_stream(tmp_path, gateway_factory):
     assert status == 200 and "error" in lines[-1], lines
     assert "sent nothing for 1.5 s" in lines[-1]["error"]
     assert time.monotonic() - t0 < 20
+    # non-streamed /v1 (streamed from the worker): an error JSON, never a truncated 200
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 504 and "sent nothing for 1.5 s" in r.json()["error"]["message"]
 
 
 def test_runaway_generation_is_bounded(tmp_path, gateway_factory):
