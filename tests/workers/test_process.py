@@ -34,6 +34,13 @@ def test_env_pins_gpus_and_carries_key():
     assert spec(gpus=()).env("k")["CUDA_VISIBLE_DEVICES"] == ""
 
 
+def test_env_turns_idle_slot_caching_off_unless_the_operator_set_it(monkeypatch):
+    monkeypatch.delenv("LLAMA_ARG_CACHE_IDLE_SLOTS", raising=False)
+    assert spec().env("k")["LLAMA_ARG_CACHE_IDLE_SLOTS"] == "0"
+    monkeypatch.setenv("LLAMA_ARG_CACHE_IDLE_SLOTS", "1")
+    assert spec().env("k")["LLAMA_ARG_CACHE_IDLE_SLOTS"] == "1"
+
+
 @pytest.mark.slow
 def test_worker_errors_reach_the_log_as_errors(tmp_path):
     """A real llama-server on a missing model exits; its 'E' lines are logged at error level."""
