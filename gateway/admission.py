@@ -63,6 +63,12 @@ class Admission:
         self._deliver(self.dispatcher.set_failed(worker_id, failed, retry_at))
         self.refuse_queued()
 
+    def worker_retiring(self, worker_id: str) -> None:
+        """A reload is removing the worker (``Dispatcher.retire``); queued requests of a model
+        left without workers get ``ModelRemoved`` now."""
+        self.dispatcher.retire(worker_id)
+        self.refuse_queued()
+
     def refuse_queued(self) -> None:
         """Answer the queued requests that the dispatcher now refuses (``Dispatcher.refusal``)
         with why; called after every fleet change that can cause one (and after a reload)."""

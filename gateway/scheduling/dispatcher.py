@@ -108,6 +108,14 @@ class Dispatcher:
             if not self.serves(w.model):
                 self.removed.add(w.model)
 
+    def retire(self, worker_id: str) -> None:
+        """A reload is removing the worker: no new leases; its live leases stay valid until
+        released. Once every worker of a model retires, the model is refused (``ModelRemoved``)
+        at once, not only after its workers have drained and stopped."""
+        w = self.workers.get(worker_id)
+        if w is not None:
+            w.retiring = True
+
     def _forget_cache(self, worker_id: str) -> None:
         """A worker that stopped lost its prompt cache: tell a scorer that remembers prefixes."""
         forget = getattr(self.scorer, "forget", None)
@@ -231,13 +239,15 @@ class Dispatcher:
         next scheduled try, or None while waiting can help (some worker of it is ready,
         starting, restarting or drained by a reload, or the model never had a worker).
 
-        ``ModelRemoved`` when a reload removed its last worker; ``AllDrained`` when the operator
+        ``ModelRemoved`` when a reload removed (or is removing: ``retire``) its last worker;
+        ``AllDrained`` when the operator
         drained every worker; ``AllFailed`` when every worker is crash-loop ``failed`` or
         operator-drained with at least one failed (its Retry-After: the earliest next try).
         """
-        ws = [w for w in self.workers.values() if w.model == model]
+        of_model = [w for w in self.workers.values() if w.model == model]
+        ws = [w for w in of_model if not w.retiring]
         if not ws:
-            return ModelRemoved(model) if model in self.removed else None
+            return ModelRemoved(model) if model in self.removed or of_model else None
         if not all(w.failed or (w.draining and w.held) for w in ws):
             return None
         failed = [w for w in ws if w.failed]

@@ -49,6 +49,8 @@ class WorkerView:
         held: the draining is the operator's (admin drain), not a reload's or restart's.
         failed: the supervisor gave up restarting it (crash loop); never ready meanwhile.
         retry_at: clock seconds of the supervisor's next start of a failed worker (None: none).
+        retiring: a reload is removing it (draining, then stopping): it no longer counts as a
+            worker of its model, so a model left without others is refused at once.
         order: position in the fleet, for stable tie-breaking.
         n_ctx: per-slot context (tokens), 0 = unknown (no per-slot check).
         kv_capacity: KV cells of the whole worker (tokens, llama-server ``-c``); 0 = unknown.
@@ -65,6 +67,7 @@ class WorkerView:
     held: bool = False  # drained by the operator (admin drain), not by a reload or restart
     failed: bool = False  # crash-loop ``failed``: the supervisor gave up restarting it for now
     retry_at: float | None = None  # clock seconds of its next automatic start while failed
+    retiring: bool = False  # a reload is removing it
     order: int = 0
     n_ctx: int = 0
     kv_capacity: int = 0
@@ -85,8 +88,8 @@ class WorkerView:
 
     @property
     def free(self) -> int:
-        """Slots free for a new lease now (0 when not ready, draining or failed)."""
-        if not self.ready or self.draining or self.failed:
+        """Slots free for a new lease now (0 when not ready, draining, failed or retiring)."""
+        if not self.ready or self.draining or self.failed or self.retiring:
             return 0
         return max(0, self.slots - len(self.leases))
 

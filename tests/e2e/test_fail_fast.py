@@ -168,8 +168,9 @@ def test_queued_requests_of_a_model_removed_by_reload_get_404(gateway_factory):
         assert r.status_code == 200 and r.json()["removed"] == ["alpha-cpu0"], r.text
         (ol_err, ol_t), (ai_err, ai_t) = [f.result(timeout=30) for f in queued]
         running.result(timeout=30)
-    # answered once alpha's worker was drained (1 s) and stopped, not after the queue timeout
-    assert ol_t - t0 < 10 and ai_t - t0 < 10, (ol_t - t0, ai_t - t0)
+    # answered as the reload began removing alpha's worker, not once it had drained (1 s) and
+    # stopped (up to stop_grace_s more while llama-server finishes the running stream)
+    assert ol_t - t0 < 5 and ai_t - t0 < 5, (ol_t - t0, ai_t - t0)
     text = "model 'alpha:latest' not found (removed from the gateway's config by a reload)"
     assert isinstance(ol_err, ollama.ResponseError), repr(ol_err)
     assert ol_err.status_code == 404 and ol_err.error == text

@@ -290,6 +290,24 @@ def test_a_removed_model_is_refused_404_and_a_restart_is_not_a_removal():
     assert d.submit(t(4)) is None
 
 
+def test_a_model_is_refused_once_a_reload_retires_its_last_worker_before_it_stops():
+    d, _ = mk(n_workers=2, slots=1, max_pending=10)
+    running = [d.submit(t(1)), d.submit(t(2))]
+    queued = t(3)
+    assert d.submit(queued) is None
+    d.retire("w0")  # w1 still serves the model: the queued request waits for it
+    assert d.drop_refused() == [] and d.refusal("demo:latest") is None
+    running[0].release()
+    assert d.workers["w0"].free == 0  # a retiring worker takes no new lease
+    d.retire("w1")  # the model's last worker: refused now, while both still drain
+    (gone, why), = d.drop_refused()
+    assert gone is queued and isinstance(why, ModelRemoved)
+    with pytest.raises(ModelRemoved):
+        d.submit(t(4))
+    running[1].release()  # the leases of retiring workers stay valid until released
+    assert d.workers["w1"].busy == 0
+
+
 def test_refusals_are_unavailable():
     assert issubclass(AllDrained, Unavailable) and issubclass(AllFailed, Unavailable)
     assert issubclass(ModelRemoved, Unavailable)
