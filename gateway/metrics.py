@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from gateway.app import Gateway
 
 PREFIX = "llama_gateway"
-WORKER_STATES = ("starting", "ready", "draining", "backoff", "stopped")
+WORKER_STATES = ("starting", "ready", "draining", "backoff", "wedged", "failed", "stopped")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 

@@ -41,3 +41,16 @@ def test_status_table():
     assert lines[2].split()[:3] == ["m-cpu0", "cpu", "backoff"]
     assert "(startup timeout after 2 s)" in lines[2] and lines[2].rstrip().endswith("0")
     assert lines[3] == "queue 5/512 (prio 0: 4, prio 5: 1); in flight 8"
+
+
+def test_every_supervisor_state_has_a_worker_state_series():
+    """A worker in a state missing from WORKER_STATES would show 0 for every state."""
+    import inspect
+    import re
+
+    from gateway.metrics import WORKER_STATES
+    from workers import supervisor
+
+    set_states = set(re.findall(r'_set_state\("([a-z]+)"', inspect.getsource(supervisor)))
+    assert {"starting", "ready", "backoff", "failed", "wedged", "stopped"} <= set_states
+    assert set_states <= set(WORKER_STATES) and "draining" in WORKER_STATES

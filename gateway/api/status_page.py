@@ -23,7 +23,7 @@ th{background:#f0f0f0}
 .bar{display:inline-block;width:120px;height:12px;background:#e6e6e6;vertical-align:middle;margin-right:.4em}
 .bar>i{display:block;height:100%;background:#3a7bd5}
 .kv>i{background:#8e44ad}
-.st-ready{color:#1e8e3e}.st-starting,.st-draining{color:#b06000}.st-backoff,.st-stopped{color:#c5221f}
+.st-ready{color:#1e8e3e}.st-starting,.st-draining{color:#b06000}.st-backoff,.st-wedged,.st-failed,.st-stopped{color:#c5221f}
 #errors li{font-family:monospace;font-size:12px}
 </style></head><body>
 <h1>llama-gateway</h1>
