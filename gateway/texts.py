@@ -41,6 +41,12 @@ def shutting_down_queued() -> str:
             f"slot became free for this request")
 
 
+def no_workers(model: str) -> str:
+    """A request for a configured ``model`` whose config plans no worker on this machine."""
+    return (f"model '{model}' has no worker on this machine: its config plans none (gpus: auto "
+            "found no NVIDIA GPU and cpu_fallback is 0); change the config and reload")
+
+
 def model_removed(model: str) -> str:
     """A request for ``model`` after a config reload removed it (every worker stopped)."""
     return f"model '{model}' not found (removed from the gateway's config by a reload)"

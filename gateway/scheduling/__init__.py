@@ -7,11 +7,12 @@ the simulator drive the same objects.
 
 from gateway.scheduling.dispatcher import Dispatcher, QueueFull, TooLarge
 from gateway.scheduling.lease import SlotLease
-from gateway.scheduling.refusals import AllDrained, AllFailed, ModelRemoved, ShuttingDown, Unavailable
+from gateway.scheduling.refusals import (AllDrained, AllFailed, ModelRemoved, NoWorkers, ShuttingDown,
+                                        Unavailable)
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.scorer import POLICIES, make_scorer
 from gateway.scheduling.worker_view import WorkerLoad, WorkerView
 
-__all__ = ["POLICIES", "AllDrained", "AllFailed", "Dispatcher", "ModelRemoved", "QueueFull",
+__all__ = ["POLICIES", "AllDrained", "AllFailed", "Dispatcher", "ModelRemoved", "NoWorkers", "QueueFull",
            "ShuttingDown", "SlotLease", "Ticket", "TooLarge", "Unavailable", "WorkerLoad", "WorkerView",
            "make_scorer"]

@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 
 from gateway.scheduling.lease import SlotLease
 from gateway.scheduling.queue import AdmissionQueue
-from gateway.scheduling.refusals import AllDrained, AllFailed, ModelRemoved, Unavailable
+from gateway.scheduling.refusals import AllDrained, AllFailed, ModelRemoved, NoWorkers, Unavailable
 from gateway.scheduling.scorer import LeastLoaded, Scorer
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.worker_view import WorkerLoad, WorkerView
@@ -235,19 +235,20 @@ class Dispatcher:
         return None
 
     def refusal(self, model: str) -> Unavailable | None:
-        """Why no request for ``model`` can be served without an operator or the supervisor's
-        next scheduled try, or None while waiting can help (some worker of it is ready,
-        starting, restarting or drained by a reload, or the model never had a worker).
+        """Why no request for ``model`` can be served without an operator, a config change or the
+        supervisor's next scheduled try, or None while waiting can help (some worker of it is
+        ready, starting, restarting or drained by a reload or restart).
 
         ``ModelRemoved`` when a reload removed (or is removing: ``retire``) its last worker;
-        ``AllDrained`` when the operator
+        ``NoWorkers`` when no worker of it was ever registered (its config plans none here;
+        workers are registered before the gateway serves); ``AllDrained`` when the operator
         drained every worker; ``AllFailed`` when every worker is crash-loop ``failed`` or
         operator-drained with at least one failed (its Retry-After: the earliest next try).
         """
         of_model = [w for w in self.workers.values() if w.model == model]
         ws = [w for w in of_model if not w.retiring]
         if not ws:
-            return ModelRemoved(model) if model in self.removed or of_model else None
+            return ModelRemoved(model) if model in self.removed or of_model else NoWorkers(model)
         if not all(w.failed or (w.draining and w.held) for w in ws):
             return None
         failed = [w for w in ws if w.failed]

@@ -18,6 +18,8 @@ ShuttingDown   503    the gateway's shutdown drain time ran out      ``queue.ret
 ModelRemoved   404    a config reload removed the model (its last    none: the model is gone;
                       worker was removed)                            Ollama and OpenAI answer an
                                                                      unknown model with 404
+NoWorkers      503    the config plans no worker for the model on    none: only a config change
+                      this machine (no GPU and cpu_fallback 0)       helps
 ============== ====== ============================================= ===========================
 
 Retry-After is sent only where a retry can help (RFC 9110 §10.2.3: seconds the client should
@@ -26,7 +28,8 @@ wait). The texts live in ``gateway.texts``.
 
 from __future__ import annotations
 
-from gateway.texts import all_drained, model_removed, shutting_down_queued, workers_failed
+from gateway.texts import (all_drained, model_removed, no_workers, shutting_down_queued,
+                          workers_failed)
 
 
 class Unavailable(Exception):
@@ -92,3 +95,14 @@ class ModelRemoved(Unavailable):
 
     def __init__(self, model: str):
         super().__init__(model, model_removed(model))
+
+
+class NoWorkers(Unavailable):
+    """The model is configured but its plan has no worker on this machine (``gpus: auto`` found
+    no GPU and ``cpu_fallback`` is 0): waiting cannot help, so 503 at once, with
+    no Retry-After."""
+
+    retry = False
+
+    def __init__(self, model: str):
+        super().__init__(model, no_workers(model))

@@ -177,3 +177,22 @@ def test_queued_requests_of_a_model_removed_by_reload_get_404(gateway_factory):
     assert isinstance(ai_err, openai.NotFoundError), repr(ai_err)
     assert ai_err.body["message"] == text and "retry-after" not in ai_err.response.headers
     assert oc.chat(model="beta", messages=MSGS, options={"num_predict": 2}).done is True
+
+
+def test_a_model_with_no_worker_planned_here_is_refused_at_once(gateway_factory):
+    """``gpus: auto`` with ``cpu_fallback: 0`` on this machine without a GPU: no worker."""
+    cfg = base_config(free_port(), queue={"timeout_s": QUEUE_TIMEOUT_S})
+    cfg["models"].append({"name": "gpuonly", "path": "builtin:demo", "gpus": "auto",
+                          "cpu_fallback": 0})
+    gw = gateway_factory(cfg)
+    oc, ai = clients(gw)
+    t0 = time.monotonic()
+    ol_err, ol_t = timed(lambda: oc.chat(model="gpuonly", messages=MSGS))
+    ai_err, ai_t = timed(lambda: ai.chat.completions.create(model="gpuonly", messages=MSGS))
+    assert ai_t - t0 < 5, (ol_t - t0, ai_t - t0)
+    text = "model 'gpuonly:latest' has no worker on this machine"
+    assert isinstance(ol_err, ollama.ResponseError) and ol_err.status_code == 503, repr(ol_err)
+    assert ol_err.error.startswith(text)
+    assert isinstance(ai_err, openai.InternalServerError) and ai_err.status_code == 503
+    assert ai_err.body["message"].startswith(text) and "retry-after" not in ai_err.response.headers
+    assert oc.chat(model="demo", messages=MSGS, options={"num_predict": 2}).done is True

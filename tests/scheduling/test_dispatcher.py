@@ -2,8 +2,8 @@
 
 import pytest
 
-from gateway.scheduling import (AllDrained, AllFailed, Dispatcher, ModelRemoved, QueueFull, Ticket,
-                                Unavailable)
+from gateway.scheduling import (AllDrained, AllFailed, Dispatcher, ModelRemoved, NoWorkers, QueueFull,
+                                Ticket, Unavailable)
 
 
 class FakeClock:
@@ -285,7 +285,7 @@ def test_a_removed_model_is_refused_404_and_a_restart_is_not_a_removal():
     assert str(why) == "model 'demo:latest' not found (removed from the gateway's config by a reload)"
     with pytest.raises(ModelRemoved):
         d.submit(t(3))
-    assert d.refusal("never-had-workers:latest") is None  # not removed: waits as before
+    assert isinstance(d.refusal("never-had-workers:latest"), NoWorkers)  # nothing planned here
     d.add_worker("w9", "demo:latest", 1)  # configured again
     assert d.submit(t(4)) is None
 
@@ -306,6 +306,15 @@ def test_a_model_is_refused_once_a_reload_retires_its_last_worker_before_it_stop
         d.submit(t(4))
     running[1].release()  # the leases of retiring workers stay valid until released
     assert d.workers["w1"].busy == 0
+
+
+def test_a_model_without_any_planned_worker_is_refused_503_without_retry_after():
+    d, _ = mk(n_workers=1, slots=1)
+    with pytest.raises(NoWorkers) as e:
+        d.submit(t(1, model="gpu-only:latest"))
+    assert e.value.status == 503 and e.value.headers(2) == {}
+    assert str(e.value).startswith("model 'gpu-only:latest' has no worker on this machine")
+    assert d.submit(t(2)) is not None  # other models are not affected
 
 
 def test_refusals_are_unavailable():
