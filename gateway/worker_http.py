@@ -266,6 +266,9 @@ class SpareConnections:
         """Open a spare for ``addr`` in the background unless one is open or being opened."""
         if self._closed or addr in self._spare or addr in self._opening:
             return
+        if len(self._spare) > 16:  # drop dead spares of workers that restarted on another port
+            for a in [a for a, (_, _, c) in self._spare.items() if c.lost]:
+                del self._spare[a]
         self._opening[addr] = asyncio.get_running_loop().create_task(self._open(addr))
 
     async def _open(self, addr: tuple[str, int]) -> None:
