@@ -203,7 +203,8 @@ class Gateway:
                                  inter_token_s=t.inter_token_s, client_write_s=t.client_write_s,
                                  write_buffer_bytes=cfg.limits.write_buffer_bytes,
                                  on_stall=self.fleet.note_stall,
-                                 on_progress=self.fleet.note_progress)
+                                 on_progress=self.fleet.note_progress,
+                                 spare_connections=cfg.llama_server.spare_connections)
         self.fleet.upstream = self.upstream
         await self.upstream.start()
         # Listen first: requests that arrive while workers load wait in the queue.
@@ -227,7 +228,7 @@ class Gateway:
             t.cancel()
         if self.runner:
             await self.runner.cleanup()
-        if self.upstream:
+        if self.upstream and self.upstream.spares is not None:
             self.upstream.spares.close()  # before the workers stop: nothing will use them
         if self.fleet:
             await self.fleet.stop()

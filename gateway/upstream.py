@@ -106,12 +106,14 @@ class Upstream:
         client_write_s / write_buffer_bytes: when a client that stopped reading is dropped.
         on_stall / on_progress: worker-id callbacks of the watchdog (liveness evidence).
         attempts: tries for a request that got no response byte.
+        spare_connections: open each worker's next connection ahead of time (``spares``).
     """
 
     def __init__(self, admission: Admission, endpoint_of, *, first_byte_s: float = 300.0,
                  request_s: float = 3600.0, inter_token_s: float = 60.0,
                  client_write_s: float = 30.0, write_buffer_bytes: int = 262144,
-                 on_stall=None, on_progress=None, attempts: int = 3):
+                 on_stall=None, on_progress=None, attempts: int = 3,
+                 spare_connections: bool = True):
         self.admission = admission
         self.endpoint_of = endpoint_of
         self.first_byte_s = first_byte_s
@@ -119,7 +121,7 @@ class Upstream:
         self.attempts = attempts
         self.session: aiohttp.ClientSession | None = None
         self._held: set[asyncio.Task] = set()  # see _hold_until_done
-        self.spares = SpareConnections()
+        self.spares = SpareConnections() if spare_connections else None
         self.watchdog = Watchdog(UpstreamError, first_byte_s=first_byte_s,
                                  inter_token_s=inter_token_s, client_write_s=client_write_s,
                                  write_buffer_bytes=write_buffer_bytes, on_stall=on_stall,
@@ -179,7 +181,8 @@ class Upstream:
         for task in list(self._held):
             task.cancel()
         self.watchdog.close()
-        self.spares.close()
+        if self.spares is not None:
+            self.spares.close()
         if self.session:
             await self.session.close()
 
