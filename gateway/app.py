@@ -21,6 +21,7 @@ from gateway.config import ConfigError, GatewayConfig, ModelConfig, PlanDiff, Wo
 from gateway.drain import graceful_stop
 from gateway.fleet import Fleet
 from gateway.inventory import Inventory, ModelEntry, full_name
+from gateway.listen import bind_listen
 from gateway.logs import get_logger
 from gateway.metrics import GatewayMetrics, worker_state
 from gateway.middleware import Guard, gateway_middleware, guard_middleware
@@ -55,6 +56,7 @@ class Gateway:
         self.fleet: Fleet | None = None
         self.upstream: Upstream | None = None
         self.runner: web.AppRunner | None = None
+        self._socks: list = []  # listening sockets (gateway.listen), bound first at start
         self.stopping = asyncio.Event()
         self.inflight: dict[int, web.Request] = {}  # id(request) -> request being handled (middleware)
         #: Inference requests accepted and not yet answered (queued or running; the guard
@@ -182,6 +184,9 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.config
         ls = cfg.llama_server
+        host, port = cfg.host, cfg.port
+        # First: owning the address is what makes run/<host>_<port>/ this process's to reap.
+        self._socks = bind_listen(host.strip("[]"), port, cfg.source)
         try:
             binary = await asyncio.to_thread(ensure_llama_server, ls.binary,
                                              None if ls.backend == "auto" else ls.backend)
@@ -189,7 +194,6 @@ class Gateway:
             raise ConfigError(f"llama_server.binary: {e}", cfg.source) from None
         paths, entries = await self.load_models(cfg)
         self.inventory = Inventory(entries)
-        host, port = cfg.host, cfg.port
         state_dir = cache_root() / "run" / f"{host.strip('[]')}_{port}"
         for pid in reap_stale_workers(state_dir):
             log.warning("gateway.stale_worker_reaped", pid=pid)
@@ -214,8 +218,8 @@ class Gateway:
                                     access_log=None, shutdown_timeout=1.0,
                                     keepalive_timeout=cfg.timeouts.header_read_s)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host.strip("[]"), port, reuse_address=True)
-        await site.start()
+        for sock in self._socks:
+            await web.SockSite(self.runner, sock).start()
         log.info("gateway.listening", listen=cfg.listen, version=__version__,
                  workers=[p.id for p in plans], binary=str(binary))
         self.fleet.start()
@@ -228,6 +232,8 @@ class Gateway:
             t.cancel()
         if self.runner:
             await self.runner.cleanup()
+        for sock in self._socks:
+            sock.close()  # the runner closed those it served; this closes any it never did
         if self.upstream and self.upstream.spares is not None:
             self.upstream.spares.close()  # before the workers stop: nothing will use them
         if self.fleet:

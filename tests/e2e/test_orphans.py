@@ -66,3 +66,24 @@ def test_sigkill_gateway_while_loading_and_serving_leaves_no_worker(tmp_path):
     gw.stop()
     assert _children_gone({w["pid"] for w in ws})
     assert llama_server_pids() - before == set()
+
+
+def test_a_second_gateway_on_a_live_gateways_address_refuses_and_leaves_its_workers(
+        tmp_path, gateway_factory):
+    """A second ``serve`` on the address a running gateway listens on must not take that
+    gateway's workers for stale ones (their pid files are in run/<host>_<port>/): it exits 2
+    with a one-line reason, and the running gateway keeps its workers and keeps serving."""
+    import subprocess
+    import sys
+
+    gw = gateway_factory(base_config(free_port()))
+    pids = {w["pid"] for w in gw.workers()}
+    r = subprocess.run([sys.executable, "-m", "gateway", "serve", "-c", str(gw.cfg_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert f"listen: 127.0.0.1:{gw.port} is already in use" in r.stderr
+    assert "Traceback" not in r.stderr and "stale_killed" not in r.stdout + r.stderr
+    assert all(pid_alive(p) for p in pids)
+    assert {w["pid"] for w in gw.workers()} == pids
+    body = {"model": "demo", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+    assert httpx.post(gw.url + "/api/generate", json=body, timeout=60).json()["done"] is True
