@@ -131,15 +131,22 @@ class Gateway:
 
     def apply_settings(self, new: GatewayConfig,
                        models: tuple[dict[str, Path], list[ModelEntry]]) -> None:
-        """Make ``new`` the live config for everything that has no process behind it."""
+        """Make ``new`` the live config for everything that has no process behind it: queue,
+        timeouts and watchdog limits (running streams too), write buffer and body limits,
+        scheduler, auth/CORS/Host rules, models. What only a restart changes is listed in
+        :data:`gateway.reload.RESTART_ONLY` (the reload keeps the old value)."""
         paths, entries = models
         self.config = new
         self.dispatcher.max_pending = new.queue.max_pending
         if self.upstream:
-            self.upstream.first_byte_s = new.timeouts.first_byte_s
-            self.upstream.request_s = new.timeouts.request_s
+            t = new.timeouts
+            self.upstream.configure(first_byte_s=t.first_byte_s, request_s=t.request_s,
+                                    inter_token_s=t.inter_token_s,
+                                    client_write_s=t.client_write_s,
+                                    write_buffer_bytes=new.limits.write_buffer_bytes)
         if self.fleet:
             self.fleet.config = new
+            self.fleet.apply_scheduler(new.scheduler)
             self.fleet.model_paths.update(paths)
             self.fleet.model_kv.update({e.name: e.facts.kv for e in entries})
         self.inventory = Inventory(entries)
@@ -214,8 +221,10 @@ class Gateway:
         # Listen first: requests that arrive while workers load wait in the queue.
         # keepalive_timeout doubles as the header read timeout: aiohttp closes a connection
         # whose request has not fully arrived that long after connect / the last response.
+        # auto_decompress=False: gateway/limits.py read_body decodes bodies itself, bounded by
+        # the current limits.max_body_bytes.
         self.runner = web.AppRunner(self.build_app(), handler_cancellation=True,
-                                    access_log=None, shutdown_timeout=1.0,
+                                    access_log=None, shutdown_timeout=1.0, auto_decompress=False,
                                     keepalive_timeout=cfg.timeouts.header_read_s)
         await self.runner.setup()
         for sock in self._socks:

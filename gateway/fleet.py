@@ -23,7 +23,7 @@ from gateway.scheduling import make_scorer
 from gateway.sizing import SizeEstimate, estimate
 from gateway.upstream import Endpoint
 from workers.gpu import read_gpu_stats
-from workers.process import LaunchSpec
+from workers.process import LaunchSpec, remove_state_dir
 from workers.supervisor import WorkerSupervisor
 from workers.telemetry import Sample, WorkerPoller
 
@@ -63,11 +63,17 @@ class Fleet:
         self.model_kv: dict[str, dict] = {}  # full model name -> GGUF key/values (set by the app)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
-        sc = config.scheduler
-        d = admission.dispatcher
+        self.apply_scheduler(config.scheduler)
+
+    def apply_scheduler(self, sc) -> None:
+        """The ``scheduler`` section (a SchedulerConfig) for the next scheduling decision and
+        the next poll of every worker (at start and on reload)."""
+        d = self.admission.dispatcher
         d.scorer = make_scorer(sc.policy, affinity=sc.prefix_affinity,
                                affinity_bound=sc.affinity_bound, kv_weight=sc.kv_weight)
         d.queue.aging_s = sc.aging_s
+        for p in self.pollers.values():
+            p.interval_s, p.timeout_s = sc.poll_interval_s, sc.poll_timeout_s
 
     def _threads(self, plans: list[WorkerPlan]) -> int | None:
         ls = self.config.llama_server
@@ -276,5 +282,7 @@ class Fleet:
             self.admission.dispatcher.workers[sup.id].ready = False
         await asyncio.gather(*(s.stop() for s in self.supervisors.values()),
                              return_exceptions=True)
+        if self.state_dir is not None:  # one per listen address: do not let them pile up
+            remove_state_dir(self.state_dir)
         if self._session is not None:
             await self._session.close()

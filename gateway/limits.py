@@ -1,6 +1,7 @@
 """Bounds on one request, checked before it reaches admission.
 
-* body: ``limits.max_body_bytes`` (413) read within ``timeouts.body_read_s`` (408);
+* body: ``limits.max_body_bytes`` (413, also for what a gzip/deflate body decodes to) read
+  within ``timeouts.body_read_s`` (408); other content codings 415, undecodable bodies 400;
 * ``messages``: at most ``limits.max_messages`` entries (400);
 * prompt length: a prompt that cannot fit one slot's context is refused with 400
   (field cases 4, 5) instead of occupying a slot. Cheap first: a byte-level BPE or
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import orjson
 from aiohttp import web
@@ -37,22 +39,97 @@ INFERENCE_ROUTES = ("/api/generate", "/api/chat", "/api/embed", "/api/embeddings
 JSON_ROUTES = INFERENCE_ROUTES + ("/api/show", "/api/pull")
 
 
-async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The whole body (cached by aiohttp for the handler's own ``read()``).
+#: Content codings a request body may use (RFC 9110 §8.4.1); ``x-gzip`` is gzip (§8.4.1.3).
+BODY_ENCODINGS = ("identity", "gzip", "x-gzip", "deflate")
 
-    Raises ApiError 413 (``Content-Length`` or actual size over ``max_bytes``) or 408 (not
-    received within ``timeout_s`` seconds).
+
+class _Decoder:
+    """Bounded decoding of one request body in ``encoding`` (one of :data:`BODY_ENCODINGS`).
+
+    ``feed`` never produces more than ``max_bytes`` + 1 decoded bytes in all (zlib's
+    ``max_length``), so a small compressed body that expands far past the limit costs at most
+    the limit in memory before it is refused. ``deflate`` is the zlib format (RFC 9110
+    §8.4.1.2); a raw deflate stream is accepted too, as aiohttp and browsers do.
+    Raises ApiError 413 (decoded size over ``max_bytes``) or 400 (not valid data).
     """
+
+    def __init__(self, encoding: str, max_bytes: int):
+        self.encoding, self.max_bytes = encoding, max_bytes
+        self.out = bytearray()
+        self._z = None
+        if encoding in ("gzip", "x-gzip"):
+            self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+
+    def feed(self, data: bytes) -> None:
+        if self.encoding == "identity":
+            self.out += data
+            return self._check()
+        if self._z is None:  # deflate: zlib header or raw stream, told by the first byte
+            if not data:
+                return None
+            wbits = zlib.MAX_WBITS if data[0] & 0x0F == 8 else -zlib.MAX_WBITS
+            self._z = zlib.decompressobj(wbits)
+        while data:
+            if self._z.eof:
+                raise ApiError(400, f"request body is not valid {self.encoding} data: "
+                                    "data after the end of the compressed stream")
+            try:
+                piece = self._z.decompress(data, self.max_bytes + 1 - len(self.out))
+            except zlib.error as e:
+                raise ApiError(400, f"request body is not valid {self.encoding} data: {e}") \
+                    from None
+            self.out += piece
+            self._check()
+            data = self._z.unconsumed_tail
+
+    def finish(self) -> bytes:
+        if self._z is not None and not self._z.eof:
+            raise ApiError(400, f"request body is not valid {self.encoding} data: "
+                                "the compressed stream is incomplete")
+        return bytes(self.out)
+
+    def _check(self) -> None:
+        if len(self.out) > self.max_bytes:
+            raise ApiError(413, f"request body too large, the limit is {self.max_bytes} bytes"
+                                + ("" if self.encoding == "identity" else " (decompressed)"))
+
+
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole body, decoded from its ``Content-Encoding``; the caller keeps it in
+    ``request["raw_body"]`` for the handler (gateway/api/common.py ``read_json``).
+
+    The gateway reads the body itself (the aiohttp server runs with ``auto_decompress=False``)
+    so that the current ``max_bytes`` applies to every body, chunked ones included, and to
+    what a compressed body decodes to, while it is read.
+
+    Raises ApiError 413 (``Content-Length``, the bytes received or the decoded size over
+    ``max_bytes``), 408 (not received within ``timeout_s`` seconds), 415 (a content coding
+    other than :data:`BODY_ENCODINGS`, e.g. ``br`` or ``zstd``: RFC 9110 §15.5.16) or 400 (a
+    body that is not valid data in its coding).
+    """
+    encoding = request.headers.get("Content-Encoding", "").strip().lower() or "identity"
+    if encoding not in BODY_ENCODINGS:
+        raise ApiError(415, f"unsupported Content-Encoding {encoding!r}: the gateway accepts "
+                            "gzip, deflate or an uncompressed body",
+                       {"Accept-Encoding": "gzip, deflate"})
     if request.content_length is not None and request.content_length > max_bytes:
         raise ApiError(413, f"request body too large: {request.content_length} bytes, "
                             f"the limit is {max_bytes}")
+    decoder = _Decoder(encoding, max_bytes)
+    received = 0
     try:
         async with asyncio.timeout(timeout_s):
-            return await request.read()
+            while chunk := await request.content.readany():
+                received += len(chunk)
+                if received > max_bytes:
+                    raise ApiError(413, f"request body too large, the limit is {max_bytes} "
+                                        "bytes")
+                decoder.feed(chunk)
     except TimeoutError:
         raise ApiError(408, f"request body not received within {timeout_s:g} s") from None
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body too large, the limit is {max_bytes} bytes") from None
+    except web.RequestPayloadError as e:  # broken chunked framing and the like
+        raise ApiError(400, f"bad request body: {e}") from None
+    return decoder.finish() if received else b""
 
 
 def parse_object(raw: bytes) -> dict | None:

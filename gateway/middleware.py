@@ -1,9 +1,10 @@
 """aiohttp middleware: request id, receive time, in-flight tracking, errors in the route's API
 shape, 503 while shutting down, metrics and one access-log event per request.
 
-Access log event ``request.done`` fields: request_id, method, path, status, ms (end to end),
-and when the handler knew them (gateway/metrics.py ``note_*``): model, worker, priority,
-queue_wait_ms, ttft_ms, prompt_eval_count, eval_count (tokens).
+Access log event ``request.done``, one per request, client disconnects included (status 499,
+``client_left: true``): request_id, method, path, status, ms (end to end), and when the handler
+knew them (gateway/metrics.py ``note_*``): model, worker, priority, queue_wait_ms, ttft_ms,
+prompt_eval_count, eval_count (tokens).
 
 ``guard_middleware``: who may come in and how big a request may be (see ``Guard.run``).
 """
@@ -31,12 +32,16 @@ def _error(path: str, status: int, message: str, headers=None) -> web.Response:
     return error_response(path, ApiError(status, message, headers))
 
 
+#: Status of a request whose client went away before its answer was complete (nginx's
+#: "client closed request"; Ollama answers a canceled request with 499 too).
+CLIENT_CLOSED = 499
+
+
 @web.middleware
 async def gateway_middleware(request: web.Request, handler):
-    request["t0_ns"] = t0 = time.monotonic_ns()
+    request["t0_ns"] = time.monotonic_ns()
     rid = request_id(request)
     gw = request.app.get("gw")
-    status = 0
     if gw is not None and gw.draining:
         # Shutdown began: the listener is closed; answer what still arrives on an open
         # keep-alive connection at once, and close that connection.
@@ -62,17 +67,15 @@ async def gateway_middleware(request: web.Request, handler):
         resp = _error(request.path, e.status, msg)
         status = e.status
     except asyncio.CancelledError:
-        log.info("request.cancelled", request_id=rid, path=request.path,
-                 worker=request.get("worker"), ms=(time.monotonic_ns() - t0) / 1e6)
+        # The client disconnected (aiohttp's handler cancellation): counted and logged as 499.
+        _finished(request, gw, CLIENT_CLOSED)
         raise
     except ConnectionResetError:
         # The client went away while its stream was being written (aiohttp raises this before
         # the handler-cancellation arrives). Not a gateway error: the lease was released in the
-        # handler's finally; 499 as Ollama answers a canceled request (and nginx logs it).
-        log.info("request.cancelled", request_id=rid, path=request.path,
-                 worker=request.get("worker"), ms=(time.monotonic_ns() - t0) / 1e6)
-        resp = _error(request.path, 499, "request canceled")
-        status = 499
+        # handler's finally.
+        resp = _error(request.path, CLIENT_CLOSED, "request canceled")
+        status = CLIENT_CLOSED
     except Exception as e:  # a bug: answer 500 in the right shape, keep serving
         log.exception("request.failed", request_id=rid, path=request.path, error=str(e))
         resp = _error(request.path, 500, f"internal error: {type(e).__name__}: {e}")
@@ -82,13 +85,21 @@ async def gateway_middleware(request: web.Request, handler):
             gw.inflight.pop(id(request), None)
     if not resp.prepared:
         resp.headers["X-Request-ID"] = rid
-    ms = (time.monotonic_ns() - t0) / 1e6
+    _finished(request, gw, status)
+    return resp
+
+
+def _finished(request: web.Request, gw, status: int) -> None:
+    """Count the request in the metrics and write its one ``request.done`` event
+    (``client_left: true`` with status 499 when the client disconnected first)."""
+    ms = (time.monotonic_ns() - request["t0_ns"]) / 1e6
     if gw is not None:
         gw.metrics.observe(request, status, ms / 1000)
     extra = {k: request[k] for k in _ACCESS_FIELDS if request.get(k) is not None}
-    log.info("request.done", request_id=rid, method=request.method, path=request.path,
-             status=status, ms=round(ms, 3), **extra)
-    return resp
+    if status == CLIENT_CLOSED:
+        extra["client_left"] = True
+    log.info("request.done", request_id=request_id(request), method=request.method,
+             path=request.path, status=status, ms=round(ms, 3), **extra)
 
 
 @web.middleware
@@ -152,9 +163,9 @@ class Guard:
                 raise ApiError(403, "origin not allowed")
             return web.Response(status=204, headers=hdrs)
         key = self._authenticate(request, cfg)
-        if request.method in ("POST", "PUT", "PATCH") and request.can_read_body:
-            raw = await limits.read_body(request, cfg.limits.max_body_bytes,
-                                         cfg.timeouts.body_read_s)
+        if request.can_read_body:  # any method: DELETE /api/delete has a body too
+            raw = request["raw_body"] = await limits.read_body(
+                request, cfg.limits.max_body_bytes, cfg.timeouts.body_read_s)
             body = limits.parse_object(raw) if path in limits.JSON_ROUTES else None
             if body is not None:
                 request["json_body"] = body  # the handler's read_json uses it: parsed once

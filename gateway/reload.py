@@ -14,7 +14,10 @@ Then apply only the difference (:func:`gateway.config.diff_plans`):
   workers or wait in the queue, so none is dropped;
 * ``removed`` workers drain and stop.
 
-``listen`` cannot change without a restart; a change is logged and otherwise ignored.
+What only a restart changes (:data:`RESTART_ONLY`: ``listen``; ``timeouts.header_read_s``,
+which aiohttp fixes per server as its keep-alive timeout when the server starts;
+``llama_server.spare_connections``, fixed when the upstream client starts) keeps its old value:
+each change is logged (``config.reload_needs_restart``) and named in the result's ``notes``.
 Reloads are serialised; systemd sees ``RELOADING=1`` … ``READY=1``.
 """
 
@@ -24,7 +27,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gateway.config import ConfigError, load_config, plan_workers
+from gateway.config import ConfigError, GatewayConfig, load_config, plan_workers
 from gateway.logs import configure, get_logger
 from workers.gpu import detect_gpus
 
@@ -32,6 +35,34 @@ if TYPE_CHECKING:
     from gateway.app import Gateway
 
 log = get_logger("gateway.reload")
+
+#: Settings a reload cannot apply (section, key; key None: a top-level setting). See module doc.
+RESTART_ONLY: tuple[tuple[str, str | None], ...] = (
+    ("listen", None), ("timeouts", "header_read_s"), ("llama_server", "spare_connections"))
+
+
+def _setting(cfg: GatewayConfig, section: str, key: str | None):
+    value = getattr(cfg, section)
+    return getattr(value, key) if key else value
+
+
+def keep_restart_only(old: GatewayConfig, new: GatewayConfig) -> tuple[GatewayConfig, list[str]]:
+    """``new`` with every :data:`RESTART_ONLY` setting put back to its value in ``old``, and one
+    note per setting that differed (``"<key>: <old> -> <new> needs a restart; still <old>"``)."""
+    notes = []
+    for section, key in RESTART_ONLY:
+        name = f"{section}.{key}" if key else section
+        was, want = (_setting(c, section, key) for c in (old, new))
+        if was == want:
+            continue
+        log.warning("config.reload_needs_restart", key=name, old=was, new=want)
+        notes.append(f"{name}: {was!r} -> {want!r} needs a restart; still {was!r}")
+        if key:
+            part = getattr(new, section).model_copy(update={key: was})
+            new = new.model_copy(update={section: part})
+        else:
+            new = new.model_copy(update={section: was})
+    return new, notes
 
 
 @dataclass
@@ -91,11 +122,8 @@ class Reloader:
                            changed=[p.id for p in diff.changed],
                            removed=[p.id for p in diff.removed],
                            unchanged=[p.id for p in diff.unchanged])
-        if new.listen != old.listen:
-            note = f"listen: {old.listen!r} -> {new.listen!r} needs a restart; still {old.listen!r}"
-            log.warning("config.reload_needs_restart", key="listen", old=old.listen, new=new.listen)
-            res.notes.append(note)
-            new = new.model_copy(update={"listen": old.listen})
+        new, notes = keep_restart_only(old, new)
+        res.notes.extend(notes)
         gw.apply_settings(new, models)
         if (new.log.level, new.log.format) != (old.log.level, old.log.format):
             configure(new.log.level, new.log.format)

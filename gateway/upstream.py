@@ -127,6 +127,16 @@ class Upstream:
                                  write_buffer_bytes=write_buffer_bytes, on_stall=on_stall,
                                  on_progress=on_progress)
 
+    def configure(self, *, first_byte_s: float, request_s: float, inter_token_s: float,
+                  client_write_s: float, write_buffer_bytes: int) -> None:
+        """New limits (see the class doc) for new requests and, for the watchdog's, running
+        streams too (a reload)."""
+        self.first_byte_s = first_byte_s
+        self.request_s = request_s
+        self.watchdog.configure(first_byte_s=first_byte_s, inter_token_s=inter_token_s,
+                                client_write_s=client_write_s,
+                                write_buffer_bytes=write_buffer_bytes)
+
     def abort_worker(self, worker_id: str, reason: str) -> int:
         """End the in-flight streams of a worker that went down (error line / event)."""
         return self.watchdog.abort_worker(worker_id, f"worker {worker_id} {reason}")

@@ -77,15 +77,22 @@ class Watchdog:
                  on_stall: Callable[[str], None] | None = None,
                  on_progress: Callable[[str], None] | None = None):
         self.make_error = make_error
+        self.configure(first_byte_s=first_byte_s, inter_token_s=inter_token_s,
+                       client_write_s=client_write_s, write_buffer_bytes=write_buffer_bytes)
+        self.on_stall = on_stall or (lambda w: None)
+        self.on_progress = on_progress or (lambda w: None)
+        self.watches: set[StreamWatch] = set()
+        self._task: asyncio.Task | None = None
+
+    def configure(self, *, first_byte_s: float, inter_token_s: float, client_write_s: float,
+                  write_buffer_bytes: int) -> None:
+        """Set the limits (seconds, bytes; see the class doc). A reload calls this: the new
+        limits apply from the next tick to every watched stream, running ones included."""
         self.first_byte_s = first_byte_s
         self.inter_token_s = inter_token_s
         self.client_write_s = client_write_s
         self.write_buffer_bytes = write_buffer_bytes
-        self.on_stall = on_stall or (lambda w: None)
-        self.on_progress = on_progress or (lambda w: None)
         self.tick_s = max(0.05, min(0.5, first_byte_s / 4, inter_token_s / 4, client_write_s / 4))
-        self.watches: set[StreamWatch] = set()
-        self._task: asyncio.Task | None = None
 
     def add(self, w: StreamWatch) -> None:
         w.t_progress = w.t_sent

@@ -1,7 +1,13 @@
-"""Unit tests of gateway.limits.prompt_texts: only the text a route sends to a worker counts
-against the slot context (the end-to-end check is tests/e2e/test_limits.py)."""
+"""Unit tests of gateway.limits: prompt_texts (only the text a route sends to a worker counts
+against the slot context) and the bounded body decoder (the end-to-end checks are
+tests/e2e/test_limits.py)."""
 
-from gateway.limits import prompt_texts
+import gzip
+
+import pytest
+
+from gateway.api.errors import ApiError
+from gateway.limits import _Decoder, prompt_texts
 
 MSGS = [{"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"},
@@ -28,3 +34,29 @@ def test_v1_completions_counts_each_prompt_and_nothing_else():
     assert prompt_texts({"prompt": ["a", "", 3, "b"]}, "/v1/completions") == ["a", "b"]
     for path in ("/api/show", "/api/embed", "/v1/embeddings", "/api/pull"):
         assert prompt_texts({"prompt": "P", "system": "S", "input": "I"}, path) == []
+
+
+def test_decoder_stops_a_gzip_bomb_at_the_limit():
+    """100 MB of zeros gzip to ~100 KB; decoding stops after limit + 1 bytes, not 100 MB."""
+    bomb = gzip.compress(b"\0" * 100_000_000, compresslevel=9)
+    d = _Decoder("gzip", 1_000_000)
+    with pytest.raises(ApiError) as e:
+        for i in range(0, len(bomb), 16384):
+            d.feed(bomb[i:i + 16384])
+    assert e.value.status == 413 and len(d.out) == 1_000_001
+
+
+def test_decoder_round_trips_and_refuses_bad_or_truncated_data():
+    data = b'{"model": "demo"}' * 100
+    d = _Decoder("gzip", 10_000)
+    d.feed(gzip.compress(data))
+    assert d.finish() == data
+    for enc, body in [("gzip", data), ("deflate", b"\x78\x9c" + data)]:
+        with pytest.raises(ApiError) as e:
+            _Decoder(enc, 10_000).feed(body)
+        assert e.value.status == 400 and enc in e.value.message
+    d = _Decoder("gzip", 10_000)
+    d.feed(gzip.compress(data)[:-10])
+    with pytest.raises(ApiError) as e:
+        d.finish()
+    assert e.value.status == 400 and "incomplete" in e.value.message

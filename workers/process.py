@@ -238,18 +238,48 @@ def reap_stale_workers(state_dir: Path) -> list[int]:
         return killed
     log = get_logger("workers.process")
     for pf in state_dir.glob("*.pid"):
-        try:
-            pid_s, binary = pf.read_text().splitlines()[:2]
-            pid = int(pid_s)
-            exe = os.readlink(f"/proc/{pid}/exe")
-            if Path(exe).resolve() == Path(binary).resolve():
+        pid = _live_pid(pf)
+        if pid is not None:
+            try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 log.warning("worker.stale_killed", pid=pid, pidfile=str(pf))
-        except (ValueError, OSError):
-            pass
+            except OSError:
+                pass
         try:
             pf.unlink()
         except FileNotFoundError:
             pass
     return killed
+
+
+def _live_pid(pidfile: Path) -> int | None:
+    """The pid a pid file records when that process still runs the recorded binary
+    (``/proc/PID/exe``; pids get reused), else None."""
+    try:
+        pid_s, binary = pidfile.read_text().splitlines()[:2]
+        pid = int(pid_s)
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except (ValueError, OSError):
+        return None
+    return pid if Path(exe).resolve() == Path(binary).resolve() else None
+
+
+def remove_state_dir(state_dir: Path) -> bool:
+    """On a clean stop: remove the gateway's state directory (``run/<host>_<port>``) unless a
+    pid file in it still names a live llama-server; pid files of dead processes go with it.
+    Returns True when the directory is gone (or never existed)."""
+    if not state_dir.is_dir():
+        return True
+    pidfiles = list(state_dir.glob("*.pid"))
+    if any(_live_pid(pf) is not None for pf in pidfiles):
+        return False
+    try:
+        for pf in pidfiles:
+            pf.unlink(missing_ok=True)
+        state_dir.rmdir()  # fails (and is kept) when anything else is in it
+    except OSError as e:
+        get_logger("workers.process").info("gateway.state_dir_kept", path=str(state_dir),
+                                           error=str(e))
+        return False
+    return True

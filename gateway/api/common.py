@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -18,11 +19,14 @@ async def read_json(request: web.Request) -> dict:
     """The JSON object body. Raises ApiError(400): ``missing request body`` (empty body, as
     Ollama), ``invalid JSON: …``, or ``request body must be a JSON object``. A JSON ``null``
     gives ``{}`` (Ollama treats it as an empty request). A body the guard middleware already
-    parsed (``request["json_body"]``) is not parsed again."""
+    parsed (``request["json_body"]``) is not parsed again, and one it read (``raw_body``,
+    decoded from its Content-Encoding: gateway/limits.py ``read_body``) is not read again."""
     parsed = request.get("json_body")
     if parsed is not None:
         return parsed
-    raw = await request.read()
+    raw = request.get("raw_body")
+    if raw is None:
+        raw = await request.read()
     if not raw.strip():
         raise ApiError(400, "missing request body")
     try:
@@ -36,10 +40,20 @@ async def read_json(request: web.Request) -> dict:
     return data
 
 
+#: An ``X-Request-ID`` the gateway takes over: 1–128 characters of letters, digits and
+#: ``-_.:/+=@`` (UUIDs, hex, base64, OpenTelemetry-style ids); anything else (too long, spaces,
+#: control or non-ASCII characters) is replaced by a generated id, so logs and the echoed header
+#: stay bounded and safe.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9\-_.:/+=@]{1,128}")
+
+
 def request_id(request: web.Request) -> str:
+    """The request's id: its ``X-Request-ID`` when that matches :data:`_REQUEST_ID`, else a
+    generated one (32 hex digits). Echoed in the response and logged as ``request_id``."""
     rid = request.get("request_id")
     if rid is None:
-        rid = request.headers.get("X-Request-ID") or uuid.uuid4().hex
+        given = request.headers.get("X-Request-ID", "")
+        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         request["request_id"] = rid
     return rid
 

@@ -72,8 +72,9 @@ def test_root_version_and_unknown_model(gateway):
 
 
 def test_client_closing_a_stream_is_a_cancel_not_an_error(gateway):
-    """A client that reads one line and hangs up: logged as request.cancelled (499), never as
-    an internal error, and the gateway keeps serving (its slot was released)."""
+    """A client that reads one line and hangs up: one ``request.done`` with status 499 and
+    ``client_left`` per request, counted in ``/metrics`` under status 499, never an internal
+    error, and the gateway keeps serving (its slot was released)."""
     body = {"model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 1500}}
     for _ in range(3):
         with httpx.Client(timeout=30) as c, c.stream("POST", gateway.url + "/api/generate",
@@ -84,5 +85,12 @@ def test_client_closing_a_stream_is_a_cancel_not_an_error(gateway):
                                                         "options": {"num_predict": 4}}, timeout=60)
     assert r.status_code == 200 and r.json()["eval_count"] == 4
     log = gateway.log_path.read_text()
-    assert "request.failed" not in log and "request.cancelled" in log
+    assert "request.failed" not in log and "request.cancelled" not in log
+    done = [json.loads(ln) for ln in log.splitlines() if '"request.done"' in ln]
+    left = [d for d in done if d.get("client_left")]
+    assert len(left) == 3 and all(d["status"] == 499 and d["path"] == "/api/generate"
+                                  for d in left), left
+    metrics = httpx.get(gateway.url + "/metrics", timeout=5).text
+    assert 'llama_gateway_requests_total{endpoint="/api/generate",model="demo:latest",' \
+           'status="499"} 3.0' in metrics, [m for m in metrics.splitlines() if "requests_total" in m]
     assert all(w["busy"] == 0 for w in gateway.workers())

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import time
+import zlib
 
 import httpx
 import openai
@@ -15,6 +17,28 @@ from tests.conftest import base_config, free_port
 from tests.e2e.test_watchdog import wait_for
 
 pytestmark = pytest.mark.slow
+
+
+def stop_reading_until_dropped(gw, within_s: float) -> float:
+    """Start a long stream on ``gw``'s single worker and never read it; returns the seconds
+    until the gateway dropped the client and freed the slot (fails after ``within_s``)."""
+    body = json.dumps({"model": "demo", "prompt": "a", "raw": True,
+                       "options": {"num_predict": 30000}}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", gw.port))
+    s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        wait_for(lambda: gw.workers()[0]["busy"] == 1, 10, "stream started")
+        t0 = time.monotonic()
+        # never read: the gateway's buffer fills, then it drops us and frees the slot
+        wait_for(lambda: gw.workers()[0]["busy"] == 0, within_s, "slot freed")
+        took = time.monotonic() - t0
+    finally:
+        s.close()
+    assert "watchdog.client_dropped" in gw.log_path.read_text()
+    return took
 
 
 @pytest.fixture
@@ -109,20 +133,7 @@ def test_slow_headers_and_body_are_cut(limited):
 
 
 def test_client_that_stops_reading_is_dropped_and_slot_freed(limited):
-    body = json.dumps({"model": "demo", "prompt": "a", "raw": True,
-                       "options": {"num_predict": 30000}}).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", limited.port))
-    s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    try:
-        wait_for(lambda: limited.workers()[0]["busy"] == 1, 10, "stream started")
-        # never read: the gateway's buffer fills, then it drops us and frees the slot
-        wait_for(lambda: limited.workers()[0]["busy"] == 0, 20, "slot freed")
-    finally:
-        s.close()
-    assert "watchdog.client_dropped" in limited.log_path.read_text()
+    stop_reading_until_dropped(limited, within_s=20)
     worker = limited.workers()[0]
     wait_for(lambda: not any(x.get("is_processing") for x in limited.slots(worker)), 5,
              "worker slot idle")
@@ -130,3 +141,47 @@ def test_client_that_stops_reading_is_dropped_and_slot_freed(limited):
                                                         "stream": False,
                                                         "options": {"num_predict": 4}}, timeout=30)
     assert r.status_code == 200
+
+
+def test_compressed_bodies(limited):
+    """Content-Encoding (field case 20: every error is JSON in the route's shape): gzip and
+    deflate bodies are decoded (bounded by max_body_bytes while decoding: a small gzip body that
+    expands past it is 413), one that is not valid data is 400, other codings 415 (RFC 9110
+    §15.5.16); none is an internal error."""
+    show = json.dumps({"model": "demo"}).encode()
+    for enc, data in [("gzip", gzip.compress(show)), ("deflate", zlib.compress(show)),
+                      ("deflate", zlib.compress(show)[2:-4])]:  # raw deflate too
+        r = httpx.post(limited.url + "/api/show", content=data, timeout=10,
+                       headers={"Content-Encoding": enc, "Content-Type": "application/json"})
+        assert r.status_code == 200 and r.json()["details"], (enc, r.text)
+    plain = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for enc, status in [("gzip", 400), ("deflate", 400), ("br", 415), ("zstd", 415)]:
+        hdrs = {"Content-Encoding": enc, "Content-Type": "application/json"}
+        r = httpx.post(limited.url + "/api/chat", content=plain, headers=hdrs, timeout=10)
+        assert r.status_code == status and r.headers["content-type"].startswith(
+            "application/json"), (enc, r.status_code, r.text)
+        assert enc in r.json()["error"]
+        r = httpx.post(limited.url + "/v1/chat/completions", content=plain, headers=hdrs,
+                       timeout=10)
+        assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error"
+    bomb = gzip.compress(b'{"model": "demo", "prompt": "' + b"x" * 5_000_000 + b'"}')
+    assert len(bomb) < 20000
+    r = httpx.post(limited.url + "/api/generate", content=bomb, timeout=10,
+                   headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 413 and "(decompressed)" in r.json()["error"], r.text
+    log = limited.log_path.read_text()
+    assert "request.failed" not in log and "Traceback" not in log
+
+
+def test_request_id_is_bounded_and_printable(limited):
+    """X-Request-ID: 1-128 characters of ``[A-Za-z0-9-_.:/+=@]`` is kept (echoed and logged);
+    anything else gets a generated id instead (32 hex digits)."""
+    ok = "tr-" + "a" * 125
+    r = httpx.get(limited.url + "/api/tags", headers={"X-Request-ID": ok}, timeout=10)
+    assert r.headers["X-Request-ID"] == ok
+    for bad in ["b" * 5000, "has space", "quote\"s", "é"]:
+        r = httpx.get(limited.url + "/api/tags", timeout=10,
+                      headers={"X-Request-ID": bad.encode("utf-8")})
+        rid = r.headers["X-Request-ID"]
+        assert r.status_code == 200 and rid != bad and len(rid) == 32 and int(rid, 16) >= 0
+    assert "b" * 129 not in limited.log_path.read_text()

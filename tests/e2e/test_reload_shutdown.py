@@ -297,3 +297,44 @@ def test_field_15_wedged_worker_restart_sigkill_respawn(gateway_factory):
     after = {w["id"]: w for w in gw.workers()}
     assert after["demo-cpu1"]["restarts"] == 1 and after["demo-cpu1"]["state"] == "ready"
     assert llama_server_pids() >= {after["demo-cpu0"]["pid"], after["demo-cpu1"]["pid"]}
+
+
+def test_reload_applies_limits_and_watchdog_and_names_restart_only_settings(gateway_factory):
+    """A reload applies the body limit (chunked bodies too), the client write watchdog and write
+    buffer limit to a running gateway; ``timeouts.header_read_s`` (fixed when aiohttp's server
+    starts) keeps its old value, and the result's notes and the log say it needs a restart."""
+    from tests.e2e.test_limits import stop_reading_until_dropped
+
+    cfg = base_config(free_port(), admin={"token": "t"})
+    cfg["models"][0].update(cpu=1, slots=1, context=32768)
+    gw = gateway_factory(cfg)
+    big = b'{"model": "demo", "prompt": "' + b"y" * 30000 + b'"}'
+    r = httpx.post(gw.url + "/api/show", content=iter([big]), timeout=10)
+    assert r.status_code == 200  # within the default 64 MiB
+    cfg["limits"] = {"max_body_bytes": 20000, "write_buffer_bytes": 4096}
+    cfg["timeouts"] = {"client_write_s": 1, "header_read_s": 2, "inter_token_s": 5}
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers={"Authorization": "Bearer t"},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["ok"], r.text
+    assert r.json()["notes"] == ["timeouts.header_read_s: 30.0 -> 2.0 needs a restart; still 30.0"]
+    assert '"config.reload_needs_restart"' in gw.log_path.read_text()
+    for body in (big, iter([big])):  # Content-Length and chunked
+        r = httpx.post(gw.url + "/api/show", content=body, timeout=10)
+        assert r.status_code == 413 and "the limit is 20000" in r.json()["error"], r.text
+    took = stop_reading_until_dropped(gw, within_s=15)  # 30 s and 256 KiB before the reload
+    assert took < 10, took
+
+
+def test_clean_stop_removes_the_run_directory(gateway_factory):
+    """The gateway's run/<host>_<port> directory (worker pid files) is gone after a clean stop;
+    another gateway's directory with a live worker is kept."""
+    gw, other = (gateway_factory(base_config(free_port(), models=[
+        {"name": "demo", "path": "builtin:demo", "slots": 1, "context": 512, "cpu": 1}]))
+        for _ in range(2))
+    run = cache_root() / "run"
+    mine, theirs = run / f"127.0.0.1_{gw.port}", run / f"127.0.0.1_{other.port}"
+    assert len(list(mine.glob("*.pid"))) == 1 and len(list(theirs.glob("*.pid"))) == 1
+    assert gw.stop() == 0
+    assert not mine.exists()
+    assert len(list(theirs.glob("*.pid"))) == 1
