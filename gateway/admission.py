@@ -79,6 +79,12 @@ class Admission:
         """Why a request for ``model`` would be refused now (shutdown first), or None."""
         return ShuttingDown(model) if self.shutting_down else self.dispatcher.refusal(model)
 
+    def would_refuse(self, model: str) -> Exception | None:
+        """What ``acquire`` would raise at once for a new request of ``model`` (``ShuttingDown``,
+        another ``Unavailable`` or ``QueueFull``), or None; changes nothing
+        (``Dispatcher.would_refuse``)."""
+        return ShuttingDown(model) if self.shutting_down else self.dispatcher.would_refuse(model)
+
     def shut_down(self) -> int:
         """The gateway stops: every queued request gets ``ShuttingDown`` now, and so does every
         later ``acquire``. Returns how many queued requests were answered."""

@@ -50,3 +50,16 @@ def no_workers(model: str) -> str:
 def model_removed(model: str) -> str:
     """A request for ``model`` after a config reload removed it (every worker stopped)."""
     return f"model '{model}' not found (removed from the gateway's config by a reload)"
+
+
+def side_call_failed(model: str, path: str, why: str) -> str:
+    """No worker of ``model`` answered the side call ``path`` (``/tokenize`` …) after retries on
+    every worker in rotation; ``why``: the last failure in words (no addresses: those are
+    logged)."""
+    return (f"no worker of model '{model}' answered {path} ({why}); the gateway tried every "
+            f"worker in rotation, please retry")
+
+
+def no_ready_worker(model: str) -> str:
+    """No worker of ``model`` came into rotation while a side call waited for one."""
+    return f"no ready worker for model '{model}'; please try again"

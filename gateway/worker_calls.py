@@ -1,84 +1,184 @@
-"""Cheap side calls to a ready worker of a model, outside the slot scheduler.
+"""Cheap side calls to a worker of a model, outside the slot scheduler.
 
 ``/tokenize``, ``/detokenize``, ``/apply-template`` and ``/props`` (llama-server, see
 shared/reference/ollama-api.md §B5) do not decode tokens and do not occupy a slot, so they are
-sent to any ready worker of the model without taking a lease. Used for Ollama's ``context``
-round trip, prompt rendering for ``/api/generate``, embedding truncation and capabilities.
+sent without taking a lease. Used for Ollama's ``context`` round trip, prompt rendering for
+``/api/generate``, embedding truncation and capabilities.
+
+Where they go (field cases 11 and 15: while a worker stops, restarts or hangs, requests go
+elsewhere or wait): only to workers the dispatcher would give requests to
+(``Dispatcher.in_rotation``: ready, not draining, retiring or failed; a worker being stopped by
+a restart or reload drains first), in the order of ``gateway.scheduling.side_calls``: the
+worker that serves or served the request first when it is still in rotation, workers whose side
+call just failed last. Each try is bounded by ``timeout_s`` (default
+``llama_server.liveness_timeout_s``: a side call costs no more than the liveness probe's
+``/slots``); a transport error, a timeout or a worker's 503 is retried on another worker in
+rotation (or, with none left untried, on the same ones after a short pause) until the call's
+waiting time is over. With no worker in rotation the call waits like admission does (up to
+``wait_s``, default ``queue.timeout_s``, and never past the request deadline
+``timeouts.request_s``), or raises admission's refusal at once when waiting cannot help.
+Client-facing errors name no worker address; the log has it (``worker_call.failed``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 import aiohttp
 import orjson
 
 from gateway.logs import get_logger
-from gateway.upstream import UpstreamError, parse_error_body
+from gateway.scheduling.side_calls import SideCallRouter
+from gateway.scheduling.worker_view import WorkerView
+from gateway.texts import no_ready_worker, side_call_failed
+from gateway.upstream import Endpoint, UpstreamError, current_request, parse_error_body
 
 log = get_logger("gateway.worker_calls")
-_rr = itertools.count()
+router = SideCallRouter()
 
 
-def ready_endpoints(gw, model: str) -> list:
-    """Endpoints (url, api_key) of the ready workers serving ``model`` (full name)."""
-    out = []
-    for wid, sup in gw.fleet.supervisors.items():
-        if sup.spec.alias == model:
-            ep = gw.fleet.endpoint_of(wid)
-            if ep is not None:
-                out.append(ep)
+class _Retry(Exception):
+    """One try failed in a way another try may not: ``status`` and ``why`` (words, no address)
+    for the client if it was the last, ``detail`` for the log."""
+
+    def __init__(self, status: int, why: str, detail: str):
+        super().__init__(why)
+        self.status, self.why, self.detail = status, why, detail
+
+
+def fit_workers(gw, model: str) -> dict[str, tuple[WorkerView, Endpoint]]:
+    """Worker id -> (scheduler view, endpoint) of the workers of ``model`` (full name) in
+    rotation whose process is up, in fleet order."""
+    out = {}
+    for w in gw.admission.dispatcher.in_rotation(model):
+        ep = gw.fleet.endpoint_of(w.id)
+        if ep is not None:
+            out[w.id] = (w, ep)
     return out
 
 
-async def side_call(gw, model: str, path: str, body: dict | None = None, *,
-                    wait_s: float | None = None, timeout_s: float = 30.0) -> dict:
-    """POST ``body`` (GET when None) to ``path`` on a ready worker of ``model``; the JSON reply.
+def refuse_early(gw, model: str) -> None:
+    """Raise what admission would answer a new request of ``model`` at once (``QueueFull`` or
+    an ``Unavailable``), before a request spends side calls on a prompt it cannot run
+    (``Admission.would_refuse``); admission still decides for the requests this lets through."""
+    why = gw.admission.would_refuse(model)
+    if why is not None:
+        raise why
 
-    Waits up to ``wait_s`` seconds (default: the queue timeout) for a worker to become ready,
-    unless none can become ready without an operator (every worker drained or crash-loop
-    ``failed``, the model removed, the gateway shutting down): then it raises that
-    ``Unavailable`` at once, as admission would. Raises UpstreamError: 503 when no worker is
-    ready in time, the worker's status and message when it answered an error, 502 on a
-    transport fault.
-    """
-    deadline = time.monotonic() + (gw.config.queue.timeout_s if wait_s is None else wait_s)
-    while True:
-        eps = ready_endpoints(gw, model)
-        if eps:
-            break
-        refused = gw.admission.refusal(model)
-        if refused is not None:
-            raise refused
-        if time.monotonic() >= deadline:
-            raise UpstreamError(503, f"no ready worker for model '{model}'", "no_worker")
-        await asyncio.sleep(0.1)
-    ep = eps[next(_rr) % len(eps)]
+
+def _request_deadline(gw) -> tuple[float | None, str | None]:
+    """Monotonic seconds of the current client request's deadline (``timeouts.request_s`` from
+    receipt) and its request id; (None, None) outside a request."""
+    client = current_request.get()
+    if client is None:
+        return None, None
+    t0 = client.get("t0_ns")
+    deadline = t0 / 1e9 + gw.upstream.request_s if t0 else None
+    return deadline, client.get("request_id")
+
+
+async def _send(gw, ep: Endpoint, path: str, body: dict | None, timeout_s: float) -> dict:
+    """One try; the JSON reply. Raises UpstreamError for a worker's error answer (not 503),
+    ``_Retry`` for a transport fault, a timeout or a 503."""
     headers = {"Authorization": f"Bearer {ep.api_key}", "Content-Type": "application/json"}
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    timeout = aiohttp.ClientTimeout(total=None)
     try:
-        if body is None:
-            cm = gw.upstream.session.get(ep.url + path, headers=headers, timeout=timeout)
-        else:
-            cm = gw.upstream.session.post(ep.url + path, data=orjson.dumps(body), headers=headers,
-                                          timeout=timeout)
-        async with cm as resp:
-            data = await resp.read()
-            if resp.status >= 400:
-                raise parse_error_body(resp.status, data)
-            return orjson.loads(data)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        log.warning("worker_call.failed", model=model, path=path, error=str(e))
-        raise UpstreamError(502, f"worker side call {path} failed: {e}", "connection") from e
+        async with asyncio.timeout(timeout_s):
+            if body is None:
+                cm = gw.upstream.session.get(ep.url + path, headers=headers, timeout=timeout)
+            else:
+                cm = gw.upstream.session.post(ep.url + path, data=orjson.dumps(body),
+                                              headers=headers, timeout=timeout)
+            async with cm as resp:
+                data = await resp.read()
+    except TimeoutError:
+        raise _Retry(504, f"no answer within {timeout_s:g} s", "timeout") from None
+    except (aiohttp.ClientError, OSError) as e:
+        raise _Retry(502, "connection failed", f"{type(e).__name__}: {e}") from None
+    if resp.status == 503:
+        err = parse_error_body(503, data)
+        raise _Retry(503, "worker unavailable", err.message)
+    if resp.status >= 400:
+        raise parse_error_body(resp.status, data)
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise _Retry(502, "unreadable answer", data[:200].decode("utf-8", "replace")) from None
+
+
+def _failed(model: str, path: str, last: _Retry) -> UpstreamError:
+    """The client's error after the last try failed (no worker address in it)."""
+    return UpstreamError(last.status, side_call_failed(model, path, last.why), "side_call")
+
+
+async def side_call(gw, model: str, path: str, body: dict | None = None, *,
+                    wait_s: float | None = None, timeout_s: float | None = None,
+                    prefer: str | None = None) -> dict:
+    """POST ``body`` (GET when None) to ``path`` on a worker of ``model`` in rotation; the JSON
+    reply (see the module doc for where it goes, how long it waits and when it retries).
+
+    Args:
+        wait_s: seconds to wait for a worker in rotation and to keep retrying (default
+            ``queue.timeout_s``; capped by the request deadline). With 0, each worker in
+            rotation is still tried once.
+        timeout_s: limit of one try (default ``llama_server.liveness_timeout_s``).
+        prefer: worker id to try first while it is in rotation (the request's own worker).
+
+    Raises: an ``Unavailable`` at once when no worker can come into rotation without an operator
+    (as admission); UpstreamError: 503 when no worker came into rotation in time, the worker's
+    status and message when it answered an error, 502/503/504 (``side_call``) when every try
+    failed in transport, timed out or got a 503.
+    """
+    hard, rid = _request_deadline(gw)
+    until = time.monotonic() + (gw.config.queue.timeout_s if wait_s is None else wait_s)
+    if hard is not None:
+        until = min(until, hard)
+    per_try = timeout_s or gw.config.llama_server.liveness_timeout_s
+    tried: dict[str, int] = {}
+    last: _Retry | None = None
+    while True:
+        fit = fit_workers(gw, model)
+        order = router.order([w for w, _ in fit.values()], time.monotonic(), prefer=prefer,
+                             tried=tried)
+        if not order:
+            refused = gw.admission.refusal(model)
+            if refused is not None:
+                raise refused
+            if time.monotonic() >= until:
+                if last is not None:
+                    raise _failed(model, path, last)
+                raise UpstreamError(503, no_ready_worker(model), "no_worker")
+            await asyncio.sleep(0.1)
+            continue
+        wid = order[0].id
+        ep = fit[wid][1]
+        if last is not None and tried.get(wid) and time.monotonic() >= until:
+            raise _failed(model, path, last)  # every one tried, and time is up
+        limit = per_try if hard is None else max(0.001, min(per_try, hard - time.monotonic()))
+        try:
+            reply = await _send(gw, ep, path, body, limit)
+        except _Retry as e:
+            router.failed(wid, time.monotonic())
+            tried[wid] = tried.get(wid, 0) + 1
+            last = e
+            log.warning("worker_call.failed", model=model, path=path, worker=wid,
+                        url=ep.url, request_id=rid, attempt=sum(tried.values()),
+                        error=e.detail)
+            if tried[wid] > 1:  # back on a worker already tried: do not spin
+                await asyncio.sleep(min(1.0, 0.1 * tried[wid]))
+            continue
+        router.answered(wid)
+        log.debug("worker_call.done", model=model, path=path, worker=wid, request_id=rid)
+        return reply
 
 
 async def tokenize(gw, model: str, text: str, *, add_special: bool = False,
-                   wait_s: float | None = None) -> list[int]:
+                   wait_s: float | None = None, prefer: str | None = None) -> list[int]:
     """Token ids of ``text`` (llama-server ``/tokenize``, special tokens parsed)."""
     r = await side_call(gw, model, "/tokenize", {"content": text, "add_special": add_special,
-                                                 "parse_special": True}, wait_s=wait_s)
+                                                 "parse_special": True}, wait_s=wait_s,
+                        prefer=prefer)
     return [int(t) for t in r.get("tokens", [])]
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 from gateway.api.errors import ApiError
 from gateway.inventory import ModelEntry, capabilities
 from gateway.upstream import UpstreamError
-from gateway.worker_calls import ready_endpoints, side_call
+from gateway.worker_calls import fit_workers, side_call
 
 _PROJECTOR_ARGS = ("--mmproj", "-mm", "--mmproj-url", "-mmu")
 
 
 async def model_capabilities(gw, entry: ModelEntry) -> list[str]:
     """Ollama capability names for ``entry`` (see ``inventory.capabilities``)."""
-    if entry.worker_template is None and ready_endpoints(gw, entry.name):
+    if entry.worker_template is None and fit_workers(gw, entry.name):
         try:
             props = await side_call(gw, entry.name, "/props", None, wait_s=0, timeout_s=5)
             entry.worker_template = str(props.get("chat_template") or "")

@@ -8,7 +8,10 @@ Shapes follow Ollama's api/types.go and routes.go (see shared/reference/ollama-a
 ``/api/generate`` renders its prompt as Ollama does for native models: the chat template via
 the worker's ``/apply-template`` (skipped for ``raw``), an incoming ``context`` detokenized and
 prepended, then ``/completion`` (``/infill`` with ``suffix``); the final chunk's ``context`` is
-``/tokenize`` of rendered prompt + response. ``/api/chat`` goes to ``/v1/chat/completions``.
+``/tokenize`` of rendered prompt + response, asked of the worker that generated it while that
+one is in rotation (side calls: ``gateway.worker_calls``). A request that admission would refuse
+at once (full queue, no worker can serve) gets that answer before any side call.
+``/api/chat`` goes to ``/v1/chat/completions``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from gateway.inventory import ModelEntry, now_utc_z
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease
 from gateway.upstream import UpstreamError, iter_sse_batches
-from gateway.worker_calls import apply_template, detokenize, tokenize
+from gateway.worker_calls import apply_template, detokenize, refuse_early, tokenize
 
 log = get_logger("gateway.api.ollama")
 
@@ -237,7 +240,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     except Unavailable as e:  # no worker can take it: drained, crash-loop failed, removed, stopping
         return _refused(gw, e)
     except QueueFull:
-        return ollama_error(503, BUSY_MESSAGE, {"Retry-After": str(gw.config.queue.retry_after_s)})
+        return _busy(gw)
     except QueueTimeout:
         return ollama_error(503, "server busy, please try again.  timed out waiting for a free slot",
                             {"Retry-After": str(gw.config.queue.retry_after_s)})
@@ -282,6 +285,11 @@ def _refused(gw, e: Unavailable) -> web.Response:
     """A refusal (gateway.scheduling.refusals) as Ollama's ``{"error": ...}`` with its status and
     Retry-After."""
     return ollama_error(e.status, str(e), e.headers(gw.config.queue.retry_after_s))
+
+
+def _busy(gw) -> web.Response:
+    """Ollama's 503 for a full queue (server/sched.go ``ErrMaxQueue``), with Retry-After."""
+    return ollama_error(503, BUSY_MESSAGE, {"Retry-After": str(gw.config.queue.retry_after_s)})
 
 
 def upstream_error_text(e: UpstreamError) -> tuple[str, int]:
@@ -398,6 +406,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     entry.touch(keep_alive)
     sampling = _sampling(request, body)
     try:
+        # Overflow gets its 503 before the prompt is rendered on a worker, as fast as a chat.
+        refuse_early(gw, entry.name)
         rendered = prompt
         if not raw and not suffix:
             msgs = ([{"role": "system", "content": system}] if system else []) + \
@@ -407,6 +417,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             rendered = await detokenize(gw, entry.name, context) + rendered
     except Unavailable as e:  # no worker can render it: refused like admission would
         return _refused(gw, e)
+    except QueueFull:
+        return _busy(gw)
     except UpstreamError as e:
         msg, status = upstream_error_text(e)
         return ollama_error(status, msg)
@@ -442,7 +454,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if st.thinking:
             obj["thinking"] = "".join(st.thinking)
         if not raw:
-            obj["context"] = await tokenize(gw, entry.name, rendered + response)
+            obj["context"] = await tokenize(gw, entry.name, rendered + response,
+                                            prefer=request.get("worker"))
         obj.update(st.metrics())
         if lp or top:
             obj["logprobs"] = st.take_logprobs(top)

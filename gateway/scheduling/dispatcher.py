@@ -258,6 +258,28 @@ class Dispatcher:
         retry_in = max(1, math.ceil(min(retry) - self.clock())) if retry else None
         return AllFailed(model, retry_in, drained=len(ws) - len(failed))
 
+    def in_rotation(self, model: str) -> list[WorkerView]:
+        """The workers of ``model`` that may get new work now (``WorkerView.in_rotation``):
+        where side calls for it may go."""
+        return [w for w in self.workers.values() if w.model == model and w.in_rotation]
+
+    def would_refuse(self, model: str) -> Exception | None:
+        """What ``submit`` would raise now for a new ticket of ``model`` that no KV check blocks
+        (``refusal``'s ``Unavailable``, else ``QueueFull``), or None. Changes nothing: a request
+        that must do work before it reaches admission (``/api/generate`` renders its prompt
+        through side calls) asks this first, so an overflow gets its 503 as fast as one that goes
+        straight to admission. Never refuses what ``submit`` would take; ``submit`` still
+        decides."""
+        if not self.queue.has_model(model) and any(w.accepts(model)
+                                                   for w in self.workers.values()):
+            return None
+        refused = self.refusal(model)
+        if refused is not None:
+            return refused
+        if len(self.queue) >= self.max_pending:
+            return QueueFull(model)
+        return None
+
     def drop_refused(self) -> list[tuple[Ticket, Unavailable]]:
         """Remove and return the queued tickets that ``refusal`` now refuses, each with why."""
         gone = []

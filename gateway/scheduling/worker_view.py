@@ -87,9 +87,15 @@ class WorkerView:
         return len(self.leases)
 
     @property
+    def in_rotation(self) -> bool:
+        """Whether the worker may get new work now: ready and not draining (operator, reload or
+        restart), crash-loop failed or retiring. Side calls go only to such workers too."""
+        return self.ready and not (self.draining or self.failed or self.retiring)
+
+    @property
     def free(self) -> int:
-        """Slots free for a new lease now (0 when not ready, draining, failed or retiring)."""
-        if not self.ready or self.draining or self.failed or self.retiring:
+        """Slots free for a new lease now (0 when not ``in_rotation``)."""
+        if not self.in_rotation:
             return 0
         return max(0, self.slots - len(self.leases))
 

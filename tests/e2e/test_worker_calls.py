@@ -1,0 +1,176 @@
+"""Side calls of ``/api/generate`` (``/apply-template``, ``/tokenize``) on real workers
+(gateway/worker_calls.py; field cases 1, 2, 11 and 15).
+
+* While one of two workers is restarted through the admin API, or frozen with SIGSTOP,
+  ``/api/generate`` (not raw, streamed and not) keeps succeeding: its side calls go only to
+  workers in rotation, and a side call that times out is retried on the other worker.
+* With the queue full, a ``/api/generate`` gets Ollama's 503 at once and never reaches the
+  worker's ``/apply-template`` (the gateway's debug log names every side call with its
+  request id; a control request shows the log does name them).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import stat
+import threading
+import time
+
+import httpx
+import pytest
+
+from gateway.api.errors import BUSY_MESSAGE
+from tests.conftest import base_config, free_port
+from tests.e2e.compat_helpers import model
+from workers.provision import ensure_llama_server
+
+pytestmark = pytest.mark.slow
+
+ADMIN_TOKEN = "admin-token-side-calls"
+
+
+def generate(url: str, i: int, stream: bool, timeout: float = 120) -> tuple[bool, str]:
+    """One non-raw ``/api/generate``; (ok, what came back). ok: 200, no error line, and a last
+    line that is ``done`` with a non-empty ``context`` (the final ``/tokenize``)."""
+    body = {"model": "demo", "prompt": f"say something about the number {i}", "stream": stream,
+            "options": {"num_predict": 8}}
+    with httpx.stream("POST", url + "/api/generate", json=body, timeout=timeout) as r:
+        text = r.read().decode()
+    if r.status_code != 200:
+        return False, f"{r.status_code} {text}"
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+    last = lines[-1] if lines else {}
+    ok = (not any("error" in line for line in lines) and last.get("done") is True
+          and isinstance(last.get("context"), list) and len(last["context"]) > 0)
+    return ok, text[-400:]
+
+
+def _load(url: str, stop: threading.Event, results: list, n_threads: int = 4) -> list:
+    """Threads that send non-raw generations (alternately streamed and not) until ``stop``."""
+    def loop(k):
+        i = 0
+        while not stop.is_set():
+            results.append(generate(url, k * 1000 + i, stream=bool(i % 2)))
+            i += 1
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def slow_exit_binary(tmp_path) -> str:
+    """A wrapper around the real llama-server that, on SIGTERM, stops llama-server (its port
+    closes at once) but exits itself only 3 s later: the stretch a real llama-server can take
+    between SIGTERM and its exit (or the SIGKILL after ``stop_grace_s``), made long enough that
+    requests arrive while the stopping worker's process is still there."""
+    real = ensure_llama_server()
+    wrapper = tmp_path / "slow-exit-llama-server"
+    wrapper.write_text(f"#!/bin/sh\n'{real}' \"$@\" &\nchild=$!\n"
+                       "trap 'kill -TERM $child; wait $child; sleep 3; exit 0' TERM\n"
+                       "wait $child\nexit $?\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    return str(wrapper)
+
+
+def test_generate_succeeds_while_a_worker_restarts_through_the_admin_api(tmp_path,
+                                                                         gateway_factory):
+    gw = gateway_factory(base_config(free_port(), admin={"token": ADMIN_TOKEN},
+                                     shutdown={"drain_s": 10},
+                                     llama_server={"binary": slow_exit_binary(tmp_path),
+                                                   "threads": 1}),
+                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    victim = gw.workers()[0]
+    stop, results = threading.Event(), []
+    threads = _load(gw.url, stop, results)
+    try:
+        time.sleep(1.0)
+        before = len(results)
+        r = httpx.post(f"{gw.url}/gateway/api/admin/workers/{victim['id']}/restart",
+                       headers=gw.headers, timeout=180)
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "ready" and r.json()["pid"] != victim["pid"]
+        during = len(results) - before
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    bad = [text for ok, text in results if not ok]
+    assert not bad, f"{len(bad)} of {len(results)} failed, e.g. {bad[:3]}"
+    assert during >= 8, f"only {during} requests ran during the restart"
+
+
+def test_generate_succeeds_while_a_worker_is_frozen(gateway_factory):
+    """SIGSTOP: the frozen worker still counts as ready until liveness notices (2 probes of
+    ``liveness_timeout_s``), so side calls that land on it time out and are retried on the
+    other worker; then the supervisor restarts it (SIGKILL after the grace)."""
+    gw = gateway_factory(base_config(free_port(), llama_server={
+        "threads": 1, "liveness_interval_s": 1, "liveness_timeout_s": 2, "stop_grace_s": 2}))
+    victim = gw.workers()[0]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        with cf.ThreadPoolExecutor(8) as ex:
+            futs = [ex.submit(generate, gw.url, i, i % 2 == 0) for i in range(8)]
+            results = [f.result() for f in futs]
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    bad = [text for ok, text in results if not ok]
+    assert not bad, f"{len(bad)} of 8 failed, e.g. {bad[:3]}"
+    assert all("127.0.0.1" not in text for _, text in results)
+    ws = gw.wait_ready(timeout=90)
+    assert next(w for w in ws if w["id"] == victim["id"])["pid"] != victim["pid"]
+
+
+def _side_calls(log_path, request_id: str) -> list[str]:
+    """Paths of the side calls the gateway log names for ``request_id`` (debug
+    ``worker_call.done`` and warning ``worker_call.failed``)."""
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("event") in ("worker_call.done", "worker_call.failed") \
+                and ev.get("request_id") == request_id:
+            out.append(ev.get("path"))
+    return out
+
+
+def test_overflow_generate_is_refused_at_once_without_a_side_call(gateway_factory):
+    cfg = base_config(free_port(), models=[model("demo", cpu=1, slots=2, context=4096)],
+                      queue={"max_pending": 2, "retry_after_s": 3},
+                      log={"level": "debug", "format": "json"})
+    gw = gateway_factory(cfg)
+    long = {"model": "demo", "prompt": "tell me a long story", "raw": True, "stream": False,
+            "options": {"num_predict": 1500, "temperature": 1.0}}
+    with cf.ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(httpx.post, gw.url + "/api/generate", json=long, timeout=300)
+                for _ in range(4)]
+        end = time.monotonic() + 30
+        while gw.status()["queue"]["depth"] < 2:  # 2 running, 2 queued: the queue is full
+            assert time.monotonic() < end, gw.status()
+            time.sleep(0.05)
+        body = {"model": "demo", "prompt": "hello", "stream": False}
+        t0 = time.monotonic()
+        probe = httpx.post(gw.url + "/api/generate", json=body, timeout=60,
+                           headers={"X-Request-ID": "overflow-probe"})
+        took = time.monotonic() - t0
+        full_after = gw.status()["queue"]["depth"] == 2
+        longs = [f.result() for f in futs]
+    assert full_after  # the queue was still full when the probe was answered
+    assert probe.status_code == 503, probe.text
+    assert probe.json() == {"error": BUSY_MESSAGE} and probe.headers["Retry-After"] == "3"
+    assert took < 0.5, took
+    assert [r.status_code for r in longs] == [200] * 4
+    control = httpx.post(gw.url + "/api/generate", json=body, timeout=120,
+                         headers={"X-Request-ID": "overflow-control"})
+    assert control.status_code == 200, control.text
+    time.sleep(0.3)  # the log is written by the gateway process
+    assert "/apply-template" in _side_calls(gw.log_path, "overflow-control")
+    assert _side_calls(gw.log_path, "overflow-probe") == []
