@@ -49,7 +49,9 @@ class _Decoder:
     ``feed`` never produces more than ``max_bytes`` + 1 decoded bytes in all (zlib's
     ``max_length``), so a small compressed body that expands far past the limit costs at most
     the limit in memory before it is refused. ``deflate`` is the zlib format (RFC 9110
-    §8.4.1.2); a raw deflate stream is accepted too, as aiohttp and browsers do.
+    §8.4.1.2); a raw deflate stream is accepted too, as aiohttp and browsers do. A gzip body
+    may be several members, decoded one after the other; anything after a deflate stream, or
+    after a gzip member that is not another member, is invalid data.
     Raises ApiError 413 (decoded size over ``max_bytes``) or 400 (not valid data).
     """
 
@@ -71,8 +73,12 @@ class _Decoder:
             self._z = zlib.decompressobj(wbits)
         while data:
             if self._z.eof:
-                raise ApiError(400, f"request body is not valid {self.encoding} data: "
-                                    "data after the end of the compressed stream")
+                if self.encoding == "deflate":
+                    raise ApiError(400, f"request body is not valid {self.encoding} data: "
+                                        "data after the end of the compressed stream")
+                # gzip: the next member (RFC 1952 §2.2, a file is a series of members; what
+                # ``cat a.gz b.gz`` makes and ``gzip -d`` decodes whole)
+                self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
             try:
                 piece = self._z.decompress(data, self.max_bytes + 1 - len(self.out))
             except zlib.error as e:
@@ -80,7 +86,8 @@ class _Decoder:
                     from None
             self.out += piece
             self._check()
-            data = self._z.unconsumed_tail
+            # input zlib has not read yet: held back by max_length, or past the member's end
+            data = self._z.unconsumed_tail or self._z.unused_data
 
     def finish(self) -> bytes:
         if self._z is not None and not self._z.eof:

@@ -60,3 +60,25 @@ def test_decoder_round_trips_and_refuses_bad_or_truncated_data():
     with pytest.raises(ApiError) as e:
         d.finish()
     assert e.value.status == 400 and "incomplete" in e.value.message
+
+
+def _decode(enc, body, split=None):
+    d = _Decoder(enc, 10_000)
+    for i in range(0, len(body), split or len(body)):
+        d.feed(body[i:i + (split or len(body))])
+    return d.finish()
+
+
+@pytest.mark.parametrize("split", [None, 7])  # in one read, or in reads that split members
+def test_decoder_reads_every_gzip_member_and_refuses_what_follows_a_stream(split):
+    """``cat a.gz b.gz`` is one gzip body (RFC 1952 §2.2), however the reads split it; bytes
+    after a member that are not a member, or after a deflate stream, are invalid data."""
+    import zlib
+    a, b = b'{"model":"demo",', b'"messages":[]}'
+    assert _decode("gzip", gzip.compress(a) + gzip.compress(b), split) == a + b
+    for enc, body in [("gzip", gzip.compress(a) + b"garbage"),
+                      ("gzip", gzip.compress(a) + b"\x1f\x8b\x08\x00garbage"),
+                      ("deflate", zlib.compress(a) + b"garbage")]:
+        with pytest.raises(ApiError) as e:
+            _decode(enc, body, split)
+        assert e.value.status == 400, (enc, body)
