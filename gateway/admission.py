@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import AsyncIterator, Callable
 
 from gateway.logs import get_logger
-from gateway.scheduling import (AllDrained, Dispatcher, QueueFull, ShuttingDown, SlotLease, Ticket,
-                                Unavailable)
+from gateway.scheduling import Dispatcher, QueueFull, ShuttingDown, SlotLease, Ticket, Unavailable
 
 log = get_logger("gateway.admission")
 
@@ -61,12 +59,6 @@ class Admission:
         seconds of its next start. When no worker of the model is left, its queued requests get
         ``AllFailed`` now."""
         self._deliver(self.dispatcher.set_failed(worker_id, failed, retry_at))
-        self.refuse_queued()
-
-    def worker_retiring(self, worker_id: str) -> None:
-        """A reload is removing the worker (``Dispatcher.retire``); queued requests of a model
-        left without workers get ``ModelRemoved`` now."""
-        self.dispatcher.retire(worker_id)
         self.refuse_queued()
 
     def refuse_queued(self) -> None:
@@ -171,4 +163,4 @@ class Admission:
             self._expiry_task.cancel()
 
 
-__all__ = ["Admission", "AllDrained", "QueueFull", "QueueTimeout", "Unavailable"]
+__all__ = ["Admission", "QueueFull", "QueueTimeout", "Unavailable"]

@@ -153,11 +153,6 @@ class Gateway:
         if self.runner is not None and "guard" in self.runner.app:
             self.runner.app["guard"].update(new)  # API keys, CORS, Host rules
 
-    def forget_unserved(self) -> None:
-        """After a reload: queued requests of models it removed get 404 ``model '…' not found
-        (removed …)`` now (``ModelRemoved``)."""
-        self.admission.refuse_queued()
-
     # ---- live status -------------------------------------------------------------------------
     def _last_sample(self, worker_id: str):
         poller = self.fleet.pollers.get(worker_id) if self.fleet else None

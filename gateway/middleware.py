@@ -21,6 +21,7 @@ from gateway.api.common import request_id
 from gateway.api.errors import ApiError, error_response, model_not_found_v1
 from gateway.auth import is_admin_token
 from gateway.logs import get_logger
+from gateway.texts import SHUTTING_DOWN_MESSAGE
 
 log = get_logger("gateway.access")
 
@@ -45,7 +46,7 @@ async def gateway_middleware(request: web.Request, handler):
     if gw is not None and gw.draining:
         # Shutdown began: the listener is closed; answer what still arrives on an open
         # keep-alive connection at once, and close that connection.
-        resp = _error(request.path, 503, "server shutting down, please try again",
+        resp = _error(request.path, 503, SHUTTING_DOWN_MESSAGE,
                       {"Connection": "close", "Retry-After": "1"})
         resp.headers["X-Request-ID"] = rid
         log.info("request.rejected_shutting_down", request_id=rid, path=request.path)

@@ -138,11 +138,11 @@ class Reloader:
             if not await sup.wait_ready(new.llama_server.startup_timeout_s):
                 log.warning("worker.reload_not_ready", worker=plan.id, state=sup.state,
                             detail=sup.detail)
-        for plan in diff.removed:  # their models' queued requests are answered now, not after
-            gw.admission.worker_retiring(plan.id)  # the drain and stop below
+        for plan in diff.removed:  # no new leases; a model left without workers is refused
+            gw.admission.dispatcher.retire(plan.id)
+        gw.admission.refuse_queued()  # its queued requests now, not after the drain and stop
         for plan in diff.removed:
             await fleet.remove_worker(plan.id, drain_s)
-        gw.forget_unserved()
         log.info("config.reloaded", path=self.path, added=res.added, changed=res.changed,
                  removed=res.removed, unchanged=len(res.unchanged))
         return res

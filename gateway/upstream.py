@@ -4,8 +4,9 @@ Field case 27: this llama-server build sometimes drops a reused keep-alive conne
 a client reuses it. Every request therefore gets a fresh loopback connection (opened ahead of
 time when possible, ``gateway.worker_http.SpareConnections``; tried: pooling saved about 0.5 ms
 of gateway CPU per request but every user of the session then had to survive stale
-connections), and a request that fails before any response byte is retried (on a new lease, so possibly another worker) instead of reaching the
-user. Closing the response on exit is what tells the worker that a client went away.
+connections), and a request that fails before any response byte is retried (on a new lease, so
+possibly another worker) instead of reaching the user. Closing the response on exit is what
+tells the worker that a client went away.
 
 Time limits (field cases 6, 10, 11): waiting for the response headers (llama-server sends them
 with its first result, server-context.cpp) is bounded by ``first_byte_s`` for streamed
@@ -137,6 +138,13 @@ class Upstream:
                                 client_write_s=client_write_s,
                                 write_buffer_bytes=write_buffer_bytes)
 
+    def request_deadline(self) -> float | None:
+        """Monotonic seconds at which the client request being served (``current_request``)
+        reaches ``request_s`` from its receipt (``t0_ns``); None outside a request."""
+        client = current_request.get()
+        t0_ns = client.get("t0_ns") if client is not None else None
+        return t0_ns / 1e9 + self.request_s if t0_ns else None
+
     def abort_worker(self, worker_id: str, reason: str) -> int:
         """End the in-flight streams of a worker that went down (error line / event)."""
         return self.watchdog.abort_worker(worker_id, f"worker {worker_id} {reason}")
@@ -209,8 +217,7 @@ class Upstream:
         payload = orjson.dumps(body)
         streamed = body.get("stream") is True
         client = current_request.get()
-        t0 = (client.get("t0_ns") / 1e9) if client is not None and client.get("t0_ns") else time.monotonic()
-        deadline = t0 + self.request_s
+        deadline = self.request_deadline() or time.monotonic() + self.request_s
         downstream = client.transport if client is not None else None
         # No read timeout here: the watchdog times the body (first byte, gaps, deadline).
         last: UpstreamError | None = None

@@ -67,17 +67,6 @@ def refuse_early(gw, model: str) -> None:
         raise why
 
 
-def _request_deadline(gw) -> tuple[float | None, str | None]:
-    """Monotonic seconds of the current client request's deadline (``timeouts.request_s`` from
-    receipt) and its request id; (None, None) outside a request."""
-    client = current_request.get()
-    if client is None:
-        return None, None
-    t0 = client.get("t0_ns")
-    deadline = t0 / 1e9 + gw.upstream.request_s if t0 else None
-    return deadline, client.get("request_id")
-
-
 async def _send(gw, ep: Endpoint, path: str, body: dict | None, timeout_s: float) -> dict:
     """One try; the JSON reply. Raises UpstreamError for a worker's error answer (not 503),
     ``_Retry`` for a transport fault, a timeout or a 503."""
@@ -130,7 +119,9 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
     status and message when it answered an error, 502/503/504 (``side_call``) when every try
     failed in transport, timed out or got a 503.
     """
-    hard, rid = _request_deadline(gw)
+    hard = gw.upstream.request_deadline()  # the client request's own deadline, if any
+    client = current_request.get()
+    rid = client.get("request_id") if client is not None else None
     until = time.monotonic() + (gw.config.queue.timeout_s if wait_s is None else wait_s)
     if hard is not None:
         until = min(until, hard)

@@ -103,7 +103,7 @@ async def test_queued_requests_of_a_removed_model_get_404_after_the_reload():
     assert not waiting.done()
     adm.release(lease)
     adm.dispatcher.remove_worker("w0")
-    adm.refuse_queued()  # Gateway.forget_unserved after the reload
+    adm.refuse_queued()  # as the reload does once its workers are retired
     with pytest.raises(ModelRemoved) as e:
         await waiting
     assert e.value.status == 404 and "removed" in str(e.value)

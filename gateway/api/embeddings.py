@@ -32,7 +32,7 @@ from aiohttp import web
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import require
 from gateway.api.common import make_ticket, read_json, t0_ns
-from gateway.api.errors import BUSY_MESSAGE, ApiError, model_not_found_v1
+from gateway.api.errors import ApiError, admission_error, model_not_found_v1
 from gateway.api.ollama import resolve_model
 from gateway.api.ollama_mapping import parse_keep_alive
 from gateway.inventory import ModelEntry
@@ -116,7 +116,6 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
     queue (a 600-input batch on an idle gateway must not get 503 "maximum pending requests").
     Raises ApiError (400 too long, 503 busy) or UpstreamError."""
     gw = request.app["gw"]
-    retry = {"Retry-After": str(gw.config.queue.retry_after_s)}
     width = max(1, sum(w.slots for w in gw.dispatcher.workers_for(entry.name)))
     gate = asyncio.Semaphore(width)
 
@@ -126,13 +125,8 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
 
     try:
         results = await asyncio.gather(*(one(i, t) for i, t in enumerate(inputs)))
-    except Unavailable as e:  # no worker can take it: drained, crash-loop failed, removed, stopping
-        raise ApiError(e.status, str(e), e.headers(gw.config.queue.retry_after_s)) from None
-    except QueueFull:
-        raise ApiError(503, BUSY_MESSAGE, retry) from None
-    except QueueTimeout:
-        raise ApiError(503, "server busy, please try again.  timed out waiting for a free slot",
-                       retry) from None
+    except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
+        raise admission_error(e, gw.config.queue.retry_after_s) from None
     except UpstreamError as e:
         raise ApiError(e.status if e.status in (400, 502, 503, 504) else 500, e.message) from None
     request["worker"] = ",".join(request.get("workers_used", []))

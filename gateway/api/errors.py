@@ -14,6 +14,7 @@ from gateway.texts import CONTEXT_OVERFLOW_MESSAGE, context_overflow  # noqa: F4
 
 # Ollama server/sched.go ErrMaxQueue: note the two spaces after the period.
 BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
+QUEUE_TIMEOUT_MESSAGE = "server busy, please try again.  timed out waiting for a free slot"
 
 
 class ApiError(Exception):
@@ -68,3 +69,17 @@ def error_response(path: str, e: ApiError) -> web.Response:
     if path.startswith("/v1/"):
         return openai_error(e.status, e.message, e.headers, code=e.code, type=e.type)
     return ollama_error(e.status, e.message, e.headers)
+
+
+def admission_error(e: Exception, retry_after_s: int) -> ApiError:
+    """Admission's answer for a request it will not run, as ApiError (503 unless the refusal
+    says otherwise): ``QueueFull`` (Ollama's ``ErrMaxQueue`` text), ``QueueTimeout``, or a
+    refusal of gateway.scheduling.refusals (``Unavailable``: its status, text and Retry-After
+    rule); ``retry_after_s``: the configured ``queue.retry_after_s``."""
+    from gateway.admission import QueueFull, QueueTimeout  # admission does not import the API
+    retry = {"Retry-After": str(retry_after_s)}
+    if isinstance(e, QueueFull):
+        return ApiError(503, BUSY_MESSAGE, retry)
+    if isinstance(e, QueueTimeout):
+        return ApiError(503, QUEUE_TIMEOUT_MESSAGE, retry)
+    return ApiError(e.status, str(e), e.headers(retry_after_s))

@@ -26,7 +26,7 @@ from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import model_capabilities, require
 from gateway.api.common import make_ticket, read_json, start_stream, t0_ns, visible_entries
-from gateway.api.errors import BUSY_MESSAGE, ApiError, ollama_error
+from gateway.api.errors import ApiError, admission_error, ollama_error
 from gateway.api.ollama_mapping import (
     CONTEXT_OVERFLOW_MESSAGE,
     StreamState,
@@ -237,13 +237,8 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                     await out.write(b"\n".join(lines))
                 if st.error:
                     break
-    except Unavailable as e:  # no worker can take it: drained, crash-loop failed, removed, stopping
+    except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         return _refused(gw, e)
-    except QueueFull:
-        return _busy(gw)
-    except QueueTimeout:
-        return ollama_error(503, "server busy, please try again.  timed out waiting for a free slot",
-                            {"Retry-After": str(gw.config.queue.retry_after_s)})
     except UpstreamError as e:
         st.error, st.error_status = upstream_error_text(e)
     if st.error:
@@ -281,15 +276,11 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     return out
 
 
-def _refused(gw, e: Unavailable) -> web.Response:
-    """A refusal (gateway.scheduling.refusals) as Ollama's ``{"error": ...}`` with its status and
-    Retry-After."""
-    return ollama_error(e.status, str(e), e.headers(gw.config.queue.retry_after_s))
-
-
-def _busy(gw) -> web.Response:
-    """Ollama's 503 for a full queue (server/sched.go ``ErrMaxQueue``), with Retry-After."""
-    return ollama_error(503, BUSY_MESSAGE, {"Retry-After": str(gw.config.queue.retry_after_s)})
+def _refused(gw, e: Exception) -> web.Response:
+    """Admission's refusal (``QueueFull``, ``QueueTimeout`` or an ``Unavailable``, see
+    ``errors.admission_error``) as Ollama's ``{"error": ...}`` with its status and Retry-After."""
+    err = admission_error(e, gw.config.queue.retry_after_s)
+    return ollama_error(err.status, err.message, err.headers)
 
 
 def upstream_error_text(e: UpstreamError) -> tuple[str, int]:
@@ -415,10 +406,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             rendered = await apply_template(gw, entry.name, msgs, **_think_kwargs(think))
         if context:
             rendered = await detokenize(gw, entry.name, context) + rendered
-    except Unavailable as e:  # no worker can render it: refused like admission would
+    except (Unavailable, QueueFull) as e:  # no worker can render it: refused like admission would
         return _refused(gw, e)
-    except QueueFull:
-        return _busy(gw)
     except UpstreamError as e:
         msg, status = upstream_error_text(e)
         return ollama_error(status, msg)

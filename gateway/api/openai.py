@@ -20,7 +20,7 @@ from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN
 from gateway.api.common import make_ticket, read_json, start_stream, visible_entries
 from gateway.api.capabilities import require
-from gateway.api.errors import (BUSY_MESSAGE, ApiError, model_not_found_v1, openai_error,
+from gateway.api.errors import (ApiError, admission_error, model_not_found_v1, openai_error,
                                 openai_error_body)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.logs import get_logger
@@ -86,7 +86,6 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s,
                          body=body)
-    retry = {"Retry-After": str(gw.config.queue.retry_after_s)}
     out: web.StreamResponse | None = None
     try:
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
@@ -101,12 +100,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 return web.Response(body=data, content_type="application/json")
             out = await start_stream(request, "text/event-stream")
             await _relay_stream(request, resp, out, include_usage)
-    except Unavailable as e:  # no worker can take it: drained, crash-loop failed, removed, stopping
-        return openai_error(e.status, str(e), e.headers(gw.config.queue.retry_after_s))
-    except QueueFull:
-        return openai_error(503, BUSY_MESSAGE, retry)
-    except QueueTimeout:
-        return openai_error(503, "server busy, please try again.  timed out waiting for a free slot", retry)
+    except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
+        err = admission_error(e, gw.config.queue.retry_after_s)
+        return openai_error(err.status, err.message, err.headers)
     except UpstreamError as e:
         # llama-server answers some malformed bodies with 500 ("Failed to parse messages: [json.
         # exception…]"): the client's fault, so 400 here.

@@ -226,12 +226,20 @@ class Dispatcher:
             cands = self._candidates(ticket)
             if cands:
                 return self._grant(ticket, cands, now)
-        refused = self.refusal(ticket.model)
+        refused = self._queue_refusal(ticket.model, ticket.request_id)
         if refused is not None:
             raise refused
-        if len(self.queue) >= self.max_pending:
-            raise QueueFull(ticket.request_id)
         self.queue.push(ticket)
+        return None
+
+    def _queue_refusal(self, model: str, request_id: str) -> Exception | None:
+        """Why a ticket of ``model`` that must wait cannot join the queue: ``refusal``'s
+        ``Unavailable``, else ``QueueFull`` at ``max_pending``; None when it can."""
+        refused = self.refusal(model)
+        if refused is not None:
+            return refused
+        if len(self.queue) >= self.max_pending:
+            return QueueFull(request_id)
         return None
 
     def refusal(self, model: str) -> Unavailable | None:
@@ -273,12 +281,7 @@ class Dispatcher:
         if not self.queue.has_model(model) and any(w.accepts(model)
                                                    for w in self.workers.values()):
             return None
-        refused = self.refusal(model)
-        if refused is not None:
-            return refused
-        if len(self.queue) >= self.max_pending:
-            return QueueFull(model)
-        return None
+        return self._queue_refusal(model, "")
 
     def drop_refused(self) -> list[tuple[Ticket, Unavailable]]:
         """Remove and return the queued tickets that ``refusal`` now refuses, each with why."""
