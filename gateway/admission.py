@@ -108,11 +108,21 @@ class Admission:
         """Wait for a slot. Raises ``QueueFull`` or an ``Unavailable`` at once (also later,
         while queued, when the fleet changes), ``QueueTimeout`` after the ticket's queue
         timeout; on cancellation the ticket leaves the queue immediately."""
-        if self.shutting_down:
-            raise ShuttingDown(ticket.model)
-        lease = self.dispatcher.submit(ticket)
+        lease = self.submit(ticket)
         if lease is not None:
             return lease
+        return await self.wait(ticket)
+
+    def submit(self, ticket: Ticket) -> SlotLease | None:
+        """A slot now, or None with the ticket queued: the caller must then ``await
+        wait(ticket)`` at once. Raises as :meth:`acquire` does at once."""
+        if self.shutting_down:
+            raise ShuttingDown(ticket.model)
+        return self.dispatcher.submit(ticket)
+
+    async def wait(self, ticket: Ticket) -> SlotLease:
+        """The slot of a ticket :meth:`submit` queued. Raises as :meth:`acquire` does while
+        queued; on cancellation the ticket leaves the queue immediately."""
         fut = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = fut
         self._ensure_expiry()

@@ -222,12 +222,15 @@ class Upstream:
         # No read timeout here: the watchdog times the body (first byte, gaps, deadline).
         last: UpstreamError | None = None
         for attempt in range(self.attempts):
-            try:
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    lease = await self.admission.acquire(ticket)
-            except TimeoutError:
-                raise UpstreamError(504, "request deadline exceeded while waiting for a slot",
-                                    "deadline") from None
+            # A free slot is taken at once; only a queued ticket needs the deadline's timer.
+            lease = self.admission.submit(ticket)
+            if lease is None:
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        lease = await self.admission.wait(ticket)
+                except TimeoutError:
+                    raise UpstreamError(504, "request deadline exceeded while waiting for a "
+                                             "slot", "deadline") from None
             resp = None
             try:
                 ep = self.endpoint_of(lease.worker.id)
