@@ -108,14 +108,15 @@ def simulate(requests: list[Request] | ClosedLoop | Conversations, *, n_workers:
              profile: GpuProfile, slots: int = 8, n_ctx: int = 4096, policy: str = "least_loaded",
              affinity: bool = True, affinity_bound: float = 2.0, unified_kv: bool = False,
              single_runner: bool = False, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
-             cache_idle_slots: bool = True,
+             cache_idle_slots: bool = False,
              poll_interval_s: float = 0.25, max_pending: int = 100_000,
              queue_timeout_s: float | None = None, warmup_s: float = 0.0,
              seed: int = 0) -> Result:
     """Run one simulation. ``policy``: a scheduler policy name, or "oracle" (see
     OracleScorer). ``single_runner``: the Ollama-like baseline, one runner on worker 0 only.
     ``cache_ram_mib``: the workers' ``--cache-ram``; ``cache_idle_slots``: their
-    ``--cache-idle-slots`` (False = ``--no-cache-idle-slots``). Returns a Result; throughput is measured
+    ``--cache-idle-slots`` (default False = ``--no-cache-idle-slots``, as the gateway starts its
+    workers: workers/process.py). Returns a Result; throughput is measured
     from ``warmup_s`` to the last completion (open loop) or to the closed loop's end."""
     sims = {f"gpu{i}": SimWorker(f"gpu{i}", profile, slots, n_ctx, unified_kv,
                                  cache_ram_mib=cache_ram_mib, cache_idle_slots=cache_idle_slots)

@@ -12,9 +12,9 @@ The sweep varies the working set of the shared-prompt trace (how many system pro
 equal popularity) against one worker's cache, with this scheduler, least_loaded without
 affinity, round_robin and the oracle.
 
-Workers run with llama-server's defaults: ``--cache-ram 8192`` (65,536 tokens of an 8B model's
-f16 KV at 131,072 bytes per token) and ``--cache-idle-slots``, unified KV off (as the gateway
-launches them). Per-worker cache C = host-cache tokens + KV cells (``slots × n_ctx``).
+Workers run as the gateway launches them: llama-server's default ``--cache-ram 8192`` (65,536
+tokens of an 8B model's f16 KV at 131,072 bytes per token), ``--no-cache-idle-slots``
+(workers/process.py), unified KV off. Per-worker cache C = host-cache tokens + KV cells (``slots × n_ctx``).
 """
 
 from __future__ import annotations
