@@ -506,6 +506,9 @@ class SchedulerConfig(_Section):
     """Bytes of the prompt's head (system prompt / first messages) hashed into the prefix key."""
     kv_weight: Annotated[float, PlainValidator(_v_nonneg_float)] = 0.5
     """Weight of KV-cache fill against slot occupancy in least_loaded's cost."""
+    prefill_weight: Annotated[float, PlainValidator(_v_nonneg_float)] = 0.5
+    """Weight of a worker's prefill backlog (prompt tokens of its requests that have no first
+    token yet, per slot context) in least_loaded's cost; 0 turns it off."""
     poll_interval_s: PositiveFloat = 0.25
     """Seconds between polls of each worker's /slots and /metrics."""
     poll_timeout_s: PositiveFloat = 1.0

@@ -70,7 +70,8 @@ class Fleet:
         the next poll of every worker (at start and on reload)."""
         d = self.admission.dispatcher
         d.scorer = make_scorer(sc.policy, affinity=sc.prefix_affinity,
-                               affinity_bound=sc.affinity_bound, kv_weight=sc.kv_weight)
+                               affinity_bound=sc.affinity_bound, kv_weight=sc.kv_weight,
+                               prefill_weight=sc.prefill_weight)
         d.queue.aging_s = sc.aging_s
         for p in self.pollers.values():
             p.interval_s, p.timeout_s = sc.poll_interval_s, sc.poll_timeout_s

@@ -177,6 +177,9 @@ class LiveCollector:
         labels = ["worker", "model", "gpu"]
         busy = GaugeMetricFamily(f"{PREFIX}_worker_slots_busy", "Slots held by requests", labels=labels)
         total = GaugeMetricFamily(f"{PREFIX}_worker_slots", "Slots (-np) of the worker", labels=labels)
+        prefill = GaugeMetricFamily(f"{PREFIX}_worker_prefill_backlog_tokens",
+                                    "Estimated prompt tokens of the worker's requests that have "
+                                    "no first token yet", labels=labels)
         kv = GaugeMetricFamily(f"{PREFIX}_worker_kv_fill_ratio",
                                "KV cache fill 0..1 (from /slots; absent when unknown)", labels=labels)
         deferred = GaugeMetricFamily(f"{PREFIX}_worker_requests_deferred",
@@ -196,6 +199,7 @@ class LiveCollector:
             st = worker_state(gw, sup)
             busy.add_metric(lv, view.busy if view else 0)
             total.add_metric(lv, view.slots if view else sup.spec.slots)
+            prefill.add_metric(lv, view.prefill_backlog if view else 0)
             ws = gw.worker_stats.get(sup.id)
             if ws.kv_fill is not None:
                 kv.add_metric(lv, ws.kv_fill)
@@ -207,7 +211,7 @@ class LiveCollector:
             up.add_metric(lv, 1 if st == "ready" else 0)
             for s in WORKER_STATES:
                 state.add_metric(lv + [s], 1 if st == s else 0)
-        yield from (busy, total, kv, deferred, tps, restarts, up, state)
+        yield from (busy, total, prefill, kv, deferred, tps, restarts, up, state)
         gl = ["gpu", "name"]
         util = GaugeMetricFamily(f"{PREFIX}_gpu_utilization_percent", "NVML GPU utilisation (%)", labels=gl)
         mem = GaugeMetricFamily(f"{PREFIX}_gpu_memory_used_bytes", "NVML memory used (bytes)", labels=gl)

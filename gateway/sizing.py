@@ -33,7 +33,9 @@ Chain = tuple[tuple[int, int], ...]
 @dataclass(frozen=True)
 class SizeEstimate:
     """prompt_tokens: estimated prompt tokens (for the up-front refusal, already divided by
-    REFUSE_SAFETY); est_tokens: KV tokens the request may occupy (prompt + generation);
+    REFUSE_SAFETY); prefill_tokens: estimated prompt tokens the worker computes before the
+    first token (bytes / bytes per token, rounded up; the token count for a token list);
+    est_tokens: KV tokens the request may occupy (prompt + generation);
     prefix_key: 64-bit hash of the prompt head, None when there is no prompt;
     prefix_chain: (64-bit key, estimated tokens) at each prompt boundary, shortest first."""
 
@@ -41,6 +43,7 @@ class SizeEstimate:
     est_tokens: int
     prefix_key: int | None
     prefix_chain: Chain = ()
+    prefill_tokens: int = 0
 
 
 def prefix_chain(parts: Iterable[tuple[bytes, int]]) -> Chain:
@@ -151,4 +154,5 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
     if flat:
         key = int.from_bytes(hashlib.blake2b(flat[:prefix_bytes], digest_size=8).digest(), "big")
     chain = prefix_chain(_chain_parts(body, bytes_per_token, prefix_bytes))
-    return SizeEstimate(prompt_tokens=refuse, est_tokens=est, prefix_key=key, prefix_chain=chain)
+    return SizeEstimate(prompt_tokens=refuse, est_tokens=est, prefix_key=key, prefix_chain=chain,
+                        prefill_tokens=prompt)

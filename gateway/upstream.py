@@ -275,6 +275,12 @@ class Upstream:
             except BaseException:
                 self._give_back(ticket.request_id, lease, resp, deadline, hold=not streamed)
                 raise
+            # The worker's first answer bytes (a streamed request's first token) end the
+            # request's prefill: it leaves the worker's prefill backlog (scheduler cost).
+            if resp.content.total_bytes:
+                lease.first_token()
+            else:
+                resp.content.on_first_data = lease.first_token
             watch = StreamWatch(lease.worker.id, ticket.request_id, resp, t_sent, deadline,
                                 downstream)
             self.watchdog.add(watch)

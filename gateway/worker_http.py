@@ -48,7 +48,8 @@ class WorkerPayloadError(ConnectionError):
 
 class Body:
     """The response body as it arrives (bytes). aiohttp ``StreamReader`` names: ``iter_any``,
-    ``read``, ``total_bytes`` (body bytes received so far), ``set_exception``."""
+    ``read``, ``total_bytes`` (body bytes received so far), ``set_exception``.
+    ``on_first_data``: called once when the first body bytes arrive (None: nothing to call)."""
 
     def __init__(self, conn: "_Conn"):
         self._conn = conn
@@ -59,6 +60,7 @@ class Body:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future | None = None
         self.total_bytes = 0
+        self.on_first_data: Callable[[], None] | None = None
 
     def _wake(self) -> None:
         w = self._waiter
@@ -66,6 +68,8 @@ class Body:
             w.set_result(None)
 
     def _feed(self, data: bytes) -> None:
+        if not self.total_bytes and self.on_first_data is not None:
+            self.on_first_data()
         self._chunks.append(data)
         n = len(data)
         self.total_bytes += n

@@ -12,13 +12,14 @@ def test_completion_prompt_and_budget():
     e = est({"prompt": "x" * 200, "n_predict": 50})
     assert e.est_tokens == 100 + 50
     assert e.prompt_tokens == int(200 / (2.0 * REFUSE_SAFETY))
+    assert e.prefill_tokens == 100  # what the worker computes: 200 bytes / 2 bytes per token
     assert est({"prompt": "x" * 200}).est_tokens == 100 + 100  # unknown budget
     assert est({"prompt": "x" * 200, "n_predict": -1}, n_ctx=120).est_tokens == 120
 
 
 def test_token_list_prompt_is_exact():
     e = est({"prompt": list(range(300)), "max_tokens": 10})
-    assert e.prompt_tokens == 300 and e.est_tokens == 310
+    assert e.prompt_tokens == 300 and e.est_tokens == 310 and e.prefill_tokens == 300
 
 
 def test_chat_prefix_key_shared_head():

@@ -64,6 +64,7 @@ def snapshot(gw) -> dict:
             "pid": proc.pid if proc and proc.returncode is None else None,
             "port": proc.port if proc else None, "gpus": list(sup.spec.gpus),
             "slots": view.slots if view else sup.spec.slots, "busy": view.busy if view else 0,
+            "prefill_backlog_tokens": view.prefill_backlog if view else 0,
             "restarts": sup.restarts, "n_ctx_slot": sup.slots_n_ctx,
             "kv_fill": ws.kv_fill, "deferred": ws.deferred,
             "tokens_per_s": round(ws.tokens_per_s, 1) if ws.tokens_per_s is not None else None,

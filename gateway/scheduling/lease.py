@@ -16,7 +16,7 @@ class SlotLease:
     release can both run. The ``on_release`` callback (the dispatcher's) runs once.
     """
 
-    __slots__ = ("worker", "ticket", "granted_at", "_on_release", "_released")
+    __slots__ = ("worker", "ticket", "granted_at", "_on_release", "_released", "prefilling")
 
     def __init__(self, worker: "WorkerView", ticket: "Ticket", granted_at: float,
                  on_release: Callable[["SlotLease"], object]):
@@ -25,11 +25,17 @@ class SlotLease:
         self.granted_at = granted_at
         self._on_release = on_release
         self._released = False
+        self.prefilling = True  # until the worker's first token (``first_token``)
         worker.leases.add(self)
 
     @property
     def released(self) -> bool:
         return self._released
+
+    def first_token(self) -> None:
+        """The worker sent the request's first token (or first answer byte): its prompt is
+        computed, so it leaves the worker's prefill backlog (``WorkerView.prefill_backlog``)."""
+        self.prefilling = False
 
     def release(self):
         """Give the slot back. Returns what the dispatcher's callback returns (new dispatches)."""

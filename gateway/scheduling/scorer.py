@@ -9,7 +9,8 @@ Policies (``scheduler.policy`` in the YAML):
 
 - ``least_loaded`` (default, :class:`LeastLoaded`): lowest cost, where cost combines slot
   occupancy (own leases + phantom busy slots seen by polling + the worker's own deferred
-  queue), KV fill and relative speed; with prefix affinity under a load bound (below).
+  queue), KV fill, prefill backlog and relative speed; with prefix affinity under a load
+  bound (below).
 - ``least_connections``: fewest live requests, nothing else (a benchmark baseline).
 - ``round_robin``, ``random``: baselines.
 - ``pack``: lowest fleet order with a free slot, i.e. fill GPU 0 first (how Ollama fills one
@@ -118,10 +119,19 @@ class LeastLoaded:
     """Default policy. Cost of placing the ticket on worker ``w`` (lower is better)::
 
         (occupancy(w) + 1) / (slots × speed)  +  kv_weight × kv_fill_after
+            +  prefill_weight × prefill_backlog / (n_ctx × speed)
 
     - occupancy / slots: fraction of slots in use (1-1-1-1 before 2-2-2-2 on equal workers);
       dividing by ``speed`` (measured relative throughput) sends more to faster GPUs;
     - kv_fill_after: fraction of the worker's KV cache in use after adding the ticket's estimate;
+    - prefill_backlog: estimated prompt tokens of the worker's requests that have not had their
+      first token yet (``WorkerView.prefill_backlog``), in per-slot contexts (``n_ctx``; the
+      term is left out while ``n_ctx`` is unknown). llama-server computes a new prompt in the
+      same batches as the running requests' tokens, so a worker still computing long prompts
+      gives a new request its first token later than one with equal occupancy whose requests
+      are all decoding. Simulated (README, "Routing quality"), 0.5 took TTFT p99 on the
+      Poisson trace at 4 GPUs from 1.006 s to 0.711 s (the oracle: 0.753 s) and on the
+      shared-prompt trace from 0.703 to 0.595 s, with the same tokens/s;
     - ties: fewer busy slots, then the rendezvous rank of the ticket's prefix key, then fleet order.
 
     With ``affinity_bound`` (> 1) and a ticket that has prefix keys, prefix affinity with
@@ -130,17 +140,21 @@ class LeastLoaded:
 
     kv_aware = True
 
-    def __init__(self, affinity_bound: float | None = 2.0, kv_weight: float = 0.5):
+    def __init__(self, affinity_bound: float | None = 2.0, kv_weight: float = 0.5,
+                 prefill_weight: float = 0.5):
         if affinity_bound is not None and affinity_bound < 1.0:
             raise ValueError("affinity_bound must be >= 1")
         self.affinity_bound = affinity_bound
         self.kv_weight = kv_weight
+        self.prefill_weight = prefill_weight
         self.index = PrefixIndex() if affinity_bound is not None else None
 
     def cost(self, w: WorkerView, ticket: Ticket) -> float:
         c = (occupancy(w) + 1) / (w.slots * (w.speed if w.speed > 0 else 1.0))
         if w.kv_capacity:
             c += self.kv_weight * min(1.0, (w.kv_used + ticket.est_tokens) / w.kv_capacity)
+        if w.n_ctx and self.prefill_weight:
+            c += self.prefill_weight * w.prefill_backlog / (w.n_ctx * (w.speed if w.speed > 0 else 1.0))
         return c
 
     def within_bound(self, w: WorkerView, avg: float, least: int, held: int) -> bool:
@@ -238,10 +252,11 @@ class Pack:
 
 
 def make_scorer(policy: str, *, affinity: bool = True, affinity_bound: float = 2.0,
-                kv_weight: float = 0.5, seed: int | None = None) -> Scorer:
+                kv_weight: float = 0.5, prefill_weight: float = 0.5,
+                seed: int | None = None) -> Scorer:
     """A scorer for a policy name (one of ``POLICIES``). Raises ValueError for others."""
     if policy == "least_loaded":
-        return LeastLoaded(affinity_bound if affinity else None, kv_weight)
+        return LeastLoaded(affinity_bound if affinity else None, kv_weight, prefill_weight)
     if policy == "least_connections":
         return LeastConnections()
     if policy == "round_robin":

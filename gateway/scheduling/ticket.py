@@ -21,6 +21,8 @@ class Ticket:
             This is what the request may occupy in its slot's KV cache.
         prompt_tokens: estimated prompt tokens (0 if unknown); a prompt larger than every
             worker's per-slot context is refused up front (``Dispatcher.check_fits``).
+        prefill_tokens: estimated prompt tokens the worker computes before the first token
+            (prefill; 0 if unknown). Counted in its worker's prefill backlog until then.
         prefix_key: hash of the shared prompt prefix (system prompt / conversation head), or None.
         prefix_chain: (hash, estimated tokens) of the prompt up to each of its boundaries (chat
             messages), shortest first (``gateway.sizing.prefix_chain``); () if unknown.
@@ -39,6 +41,7 @@ class Ticket:
     prefix_chain: tuple[tuple[int, int], ...] = ()
     queue_timeout_s: float | None = None
     prompt_tokens: int = 0
+    prefill_tokens: int = 0
     enqueued_at: float = 0.0
     seq: int = field(default_factory=lambda: next(_seq))
     avoid: frozenset[str] = frozenset()

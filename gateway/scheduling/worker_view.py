@@ -115,6 +115,12 @@ class WorkerView:
         return max(0, min(self.slots - self.busy, self.load.processing - self.busy - since))
 
     @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens the worker still has to compute before the first tokens of its live
+        leases: the ``prefill_tokens`` estimates of leases that have not had a first token."""
+        return sum(l.ticket.prefill_tokens for l in self.leases if l.prefilling)
+
+    @property
     def kv_reserved(self) -> int:
         """Tokens the live leases may occupy (gateway estimate, each capped at ``n_ctx``)."""
         cap = self.n_ctx or None

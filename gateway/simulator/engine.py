@@ -164,7 +164,8 @@ def simulate(requests: list[Request] | ClosedLoop | Conversations, *, n_workers:
         key, chain = ticket_keys(r.segments)
         t = Ticket(request_id=str(r.id), model="m", priority=r.priority,
                    est_tokens=min(n_ctx, r.prompt_tokens + r.output_tokens),
-                   prompt_tokens=0, prefix_key=key, prefix_chain=chain,
+                   prompt_tokens=0, prefill_tokens=r.prompt_tokens, prefix_key=key,
+                   prefix_chain=chain,
                    queue_timeout_s=queue_timeout_s)
         tickets[t.seq] = r
         try:
@@ -184,6 +185,7 @@ def simulate(requests: list[Request] | ClosedLoop | Conversations, *, n_workers:
             s, first, done, emitted = obj
             for task in first:
                 task.first_token_at = t
+                task.lease.first_token()
                 if task.req.arrival >= warmup_s:
                     res.ttft.append(t - task.req.arrival)
             if t >= warmup_s and (end_of_work is None or t <= end_of_work):

@@ -146,6 +146,40 @@ def test_queued_client_disconnect_leaves_queue_at_once(gw1):
     assert wait_until(lambda: not any(s.get("is_processing") for s in gw1.slots(w)))
 
 
+def test_prefill_backlog_counts_a_request_until_its_first_token(gw1):
+    """The scheduler's prefill backlog (``prefill_backlog_tokens`` in the status API and
+    ``llama_gateway_worker_prefill_backlog_tokens``): a leased request counts with its prompt
+    estimate until the worker's first token arrives, then not at all. The worker is frozen
+    (SIGSTOP) while the request is sent, so the window before the first token is not a race."""
+    import os
+    import signal
+
+    w = gw1.workers()[0]
+    prompt = "word " * 400  # 2,000 bytes: a few hundred tokens by the gateway's estimate
+    os.kill(w["pid"], signal.SIGSTOP)
+    try:
+        th, out = _post_in_thread(gw1.url + "/api/generate", {
+            "model": "demo", "prompt": prompt, "raw": True, "stream": False,
+            "options": {"num_predict": 4}}, timeout=30)
+        st = wait_until(lambda: (s := gateway_state(gw1))["workers"][0]["busy"] == 1 and s, 2.0)
+        backlog = st["workers"][0]["prefill_backlog_tokens"]
+        assert 100 <= backlog <= 2000, backlog
+        metrics = httpx.get(gw1.url + "/metrics", timeout=5).text
+        assert f'llama_gateway_worker_prefill_backlog_tokens{{gpu="cpu",model="demo:latest",worker="{w["id"]}"}} {backlog}.0' \
+            in metrics, [ln for ln in metrics.splitlines() if "prefill_backlog" in ln]
+    finally:
+        os.kill(w["pid"], signal.SIGCONT)
+    th.join()
+    assert out["resp"].status_code == 200, out
+    # streamed: after the first line the request is decoding, still leased, with no backlog
+    s = Stream(gw1)
+    s.first()
+    st = gateway_state(gw1)["workers"][0]
+    assert (st["busy"], st["prefill_backlog_tokens"]) == (1, 0), st
+    s.kill()
+    assert wait_until(lambda: gateway_state(gw1)["workers"][0]["busy"] == 0)
+
+
 def test_single_slot_disconnect_then_next_request_runs(gw1):
     """Field case 8: -np 1, stream a long chat, kill the client after 5 tokens, next request
     gets the slot (the upstream request was closed, so the worker freed its slot)."""

@@ -39,6 +39,30 @@ def test_speed_weights_choice():
     assert ws.count("w1") == 3  # a 3x faster worker takes 3 of 4
 
 
+def test_prefill_backlog_steers_to_the_worker_already_decoding():
+    """Equal occupancy: the new request goes to the worker whose request already has its first
+    token, not to the one still computing a long prompt; after that first token the tie is
+    broken by fleet order again."""
+    d = mk(affinity=False, n_ctx=4096)
+    long_prompt = d.submit(t(0, prefill_tokens=3000))
+    short = d.submit(t(1, prefill_tokens=20))
+    assert (long_prompt.worker.id, short.worker.id) == ("w0", "w1")
+    short.first_token()
+    assert d.workers["w0"].prefill_backlog == 3000 and d.workers["w1"].prefill_backlog == 0
+    assert d.submit(t(2, prefill_tokens=20)).worker.id == "w1"
+    long_prompt.first_token()
+    assert d.workers["w0"].prefill_backlog == 0
+    assert d.submit(t(3, prefill_tokens=20)).worker.id == "w0"  # 2-2 now: order decides
+
+
+def test_prefill_backlog_ignored_without_context_or_weight():
+    for kw in ({"n_ctx": 0}, {"n_ctx": 4096, "prefill_weight": 0.0}):
+        d = mk(affinity=False, **kw)
+        d.submit(t(0, prefill_tokens=3000))
+        d.submit(t(1, prefill_tokens=20)).first_token()
+        assert d.submit(t(2, prefill_tokens=20)).worker.id == "w0", kw  # fleet order
+
+
 def test_kv_headroom_excludes_full_worker_and_queue_waits():
     # unified KV: 2 slots share 1000 tokens; a 600-token request fits only one at a time
     d = mk(n=2, slots=2, n_ctx=1000, kv=1000, affinity=False)
