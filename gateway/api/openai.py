@@ -140,28 +140,30 @@ def _bound_max_tokens(gw, body: dict) -> None:
     it prefers to ``max_tokens``) is bounded the same way, so the cap cannot be bypassed.
     Raises ApiError(400) for a non-integer or out-of-range value."""
     gen = gw.config.generation
+    cap = gen.num_predict_max
     for k in _GATEWAY_OWNED:
         body.pop(k, None)
-    for k in _BUDGET_KEYS:
-        v = body.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                              or not INT64_MIN <= v <= INT64_MAX):
-            raise ApiError(400, f"{k} must be an integer, got {orjson.dumps(v).decode()[:40]}")
     # Whichever of the three keys llama-server ends up using, each present one is bounded
     # (a null counts as absent); with none, max_tokens carries the default.
+    budgeted = False
     for k in _BUDGET_KEYS:
-        if k in body and body[k] is None:
+        if k not in body:
+            continue
+        v = body[k]
+        if v is None:
             del body[k]
-    if not any(k in body for k in _BUDGET_KEYS):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not INT64_MIN <= v <= INT64_MAX:
+            raise ApiError(400, f"{k} must be an integer, got {orjson.dumps(v).decode()[:40]}")
+        budgeted = True
+        if cap is not None and (v < 0 or v > cap):
+            body[k] = cap
+    if not budgeted:
+        # config validation keeps num_predict_default <= num_predict_max
         if gen.num_predict_default > 0:
             body["max_tokens"] = gen.num_predict_default
-        elif gen.num_predict_max is not None:
-            body["max_tokens"] = gen.num_predict_max
-    if gen.num_predict_max is not None:
-        for k in _BUDGET_KEYS:
-            v = body.get(k)
-            if v is not None and (v < 0 or v > gen.num_predict_max):
-                body[k] = gen.num_predict_max
+        elif cap is not None:
+            body["max_tokens"] = cap
 
 
 def _sse(obj) -> bytes:
