@@ -226,11 +226,16 @@ class Fleet:
             self.upstream.abort_worker(sup.id, reason)
 
     def _on_state(self, sup: WorkerSupervisor) -> None:
-        """Tell admission whether the worker is crash-loop ``failed`` (when every worker of a
-        model is, its requests are refused at once instead of waiting). A supervisor that was
-        already replaced (restart) is ignored."""
-        if self.supervisors.get(sup.id) is sup:
-            self.admission.worker_failed(sup.id, sup.state == "failed", sup.retry_at)
+        """Tell admission when the worker enters or leaves crash-loop ``failed`` (when every
+        worker of a model is failed, its requests are refused at once instead of waiting);
+        its other state changes reach admission through ``on_ready`` / ``on_down``. A
+        supervisor that was already replaced (restart) is ignored."""
+        if self.supervisors.get(sup.id) is not sup:
+            return
+        failed = sup.state == "failed"
+        view = self.admission.dispatcher.workers.get(sup.id)
+        if view is not None and view.failed != failed:  # what admission knows changes
+            self.admission.worker_failed(sup.id, failed, sup.retry_at)
 
     def note_stall(self, worker_id: str) -> None:
         """Watchdog: a request on this worker stalled (liveness evidence)."""
