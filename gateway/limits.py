@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -26,6 +27,9 @@ from gateway.scheduling import Unavailable
 from gateway.sizing import content_text
 from gateway.upstream import UpstreamError
 from gateway.worker_calls import tokenize
+
+if TYPE_CHECKING:
+    from gateway.inventory import ModelEntry
 
 log = get_logger("gateway.limits")
 
@@ -188,17 +192,15 @@ def prompt_texts(body: dict, path: str) -> list[str]:
     return []
 
 
-async def check_prompt_length(gw, body: dict, path: str) -> None:
-    """Raises ApiError(400) when a prompt ``path`` would send (:func:`prompt_texts`) needs more
-    tokens than one slot's context.
+async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> None:
+    """Raises ApiError(400) when a prompt ``path`` would send (:func:`prompt_texts`) to
+    ``entry`` (the model ``body`` names, resolved by the caller) needs more tokens than one
+    slot's context. An embedding model is not checked (embeddings.py cuts or refuses each
+    input itself).
 
-    ``gw`` is the Gateway (inventory, fleet, upstream session, ``context_per_slot``).
+    ``gw`` is the Gateway (fleet, upstream session, ``context_per_slot``).
     """
-    name = body.get("model")
-    if not isinstance(name, str) or gw.inventory is None:
-        return
-    entry = gw.inventory.resolve(name)
-    if entry is None or entry.embeddings:
+    if entry.embeddings:
         return
     ctx = gw.context_per_slot(entry.name)
     if not ctx:
