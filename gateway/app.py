@@ -135,21 +135,15 @@ class Gateway:
         timeouts and watchdog limits (running streams too), write buffer and body limits,
         scheduler, auth/CORS/Host rules, models. What only a restart changes is listed in
         :data:`gateway.reload.RESTART_ONLY` (the reload keeps the old value)."""
-        paths, entries = models
         self.config = new
         self.dispatcher.max_pending = new.queue.max_pending
         if self.upstream:
-            t = new.timeouts
-            self.upstream.configure(first_byte_s=t.first_byte_s, request_s=t.request_s,
-                                    inter_token_s=t.inter_token_s,
-                                    client_write_s=t.client_write_s,
-                                    write_buffer_bytes=new.limits.write_buffer_bytes)
+            self.upstream.configure(new)
         if self.fleet:
             self.fleet.config = new
             self.fleet.apply_scheduler(new.scheduler)
-            self.fleet.model_paths.update(paths)
-            self.fleet.model_kv.update({e.name: e.facts.kv for e in entries})
-        self.inventory = Inventory(entries)
+            self.fleet.add_models(models)
+        self.inventory = Inventory(models[1])
         if self.runner is not None and "guard" in self.runner.app:
             self.runner.app["guard"].update(new)  # API keys, CORS, Host rules
 
@@ -194,23 +188,17 @@ class Gateway:
                                              None if ls.backend == "auto" else ls.backend)
         except ProvisionError as e:
             raise ConfigError(f"llama_server.binary: {e}", cfg.source) from None
-        paths, entries = await self.load_models(cfg)
-        self.inventory = Inventory(entries)
+        models = await self.load_models(cfg)
+        self.inventory = Inventory(models[1])
         state_dir = cache_root() / "run" / f"{host.strip('[]')}_{port}"
         for pid in reap_stale_workers(state_dir):
             log.warning("gateway.stale_worker_reaped", pid=pid)
         plans = self.plans = plan_workers(cfg, detect_gpus())
-        self.fleet = Fleet(cfg, binary, paths, self.admission, state_dir)
-        self.fleet.model_kv = {e.name: e.facts.kv for e in entries}
+        self.fleet = Fleet(cfg, binary, models, self.admission, state_dir)
         self.fleet.build(plans)
-        t = cfg.timeouts
-        self.upstream = Upstream(self.admission, self.fleet.endpoint_of,
-                                 first_byte_s=t.first_byte_s, request_s=t.request_s,
-                                 inter_token_s=t.inter_token_s, client_write_s=t.client_write_s,
-                                 write_buffer_bytes=cfg.limits.write_buffer_bytes,
+        self.upstream = Upstream(self.admission, self.fleet.endpoint_of, cfg,
                                  on_stall=self.fleet.note_stall,
-                                 on_progress=self.fleet.note_progress,
-                                 spare_connections=cfg.llama_server.spare_connections)
+                                 on_progress=self.fleet.note_progress)
         self.fleet.upstream = self.upstream
         await self.upstream.start()
         # Listen first: requests that arrive while workers load wait in the queue.

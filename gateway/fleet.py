@@ -12,6 +12,7 @@ import asyncio
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -26,6 +27,9 @@ from workers.gpu import read_gpu_stats
 from workers.process import LaunchSpec, remove_state_dir
 from workers.supervisor import WorkerSupervisor
 from workers.telemetry import Sample, WorkerPoller
+
+if TYPE_CHECKING:
+    from gateway.inventory import GGUFFacts, ModelEntry
 
 log = get_logger("gateway.fleet")
 
@@ -46,13 +50,21 @@ def _model_args(mcfg) -> list[str]:
 
 
 class Fleet:
-    """Builds, starts and stops the workers of a config; polls their load."""
+    """Builds, starts and stops the workers of a config; polls their load.
 
-    def __init__(self, config: GatewayConfig, binary: Path, model_paths: dict[str, Path],
-                 admission: Admission, state_dir: Path):
+    Args:
+        models: (full model name -> GGUF path, inventory entries), as
+            ``Gateway.load_models`` returns them (:meth:`add_models`).
+    """
+
+    def __init__(self, config: GatewayConfig, binary: Path,
+                 models: tuple[dict[str, Path], list["ModelEntry"]], admission: Admission,
+                 state_dir: Path):
         self.config = config
         self.binary = binary
-        self.model_paths = model_paths
+        self.model_paths: dict[str, Path] = {}  # full model name -> GGUF file
+        self.model_facts: dict[str, "GGUFFacts"] = {}  # full model name -> its GGUF header
+        self.add_models(models)
         self.admission = admission
         self.state_dir = state_dir
         self.supervisors: dict[str, WorkerSupervisor] = {}
@@ -60,10 +72,16 @@ class Fleet:
         self.upstream = None  # set by the gateway: streams of a worker that goes down are ended
         self.pollers: dict[str, WorkerPoller] = {}
         self.bytes_per_token: dict[str, float] = {}
-        self.model_kv: dict[str, dict] = {}  # full model name -> GGUF key/values (set by the app)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self.apply_scheduler(config.scheduler)
+
+    def add_models(self, models: tuple[dict[str, Path], list["ModelEntry"]]) -> None:
+        """Files and GGUF facts of the models workers may be started for (at start and on
+        reload; a model's entry replaces the one of the same name)."""
+        paths, entries = models
+        self.model_paths.update(paths)
+        self.model_facts.update({e.name: e.facts for e in entries})
 
     def apply_scheduler(self, sc) -> None:
         """The ``scheduler`` section (a SchedulerConfig) for the next scheduling decision and
@@ -113,8 +131,8 @@ class Fleet:
                                failed_retry_s=ls.failed_retry_s)
         self.supervisors[plan.id] = sup
         self.plans[plan.id] = plan
-        gguf = self.model_kv.get(plan.model, {})
-        kv_bytes = kv_bytes_from_gguf(gguf, str(gguf.get("general.architecture", "")), args)
+        facts = self.model_facts.get(plan.model)
+        kv_bytes = kv_bytes_from_gguf(facts.kv, facts.architecture, args) if facts else 0
         self.admission.dispatcher.add_worker(
             plan.id, plan.model, plan.slots, n_ctx=plan.context, kv_capacity=plan.total_context,
             cache_tokens=worker_cache_tokens(plan.total_context, args, kv_bytes))
@@ -209,11 +227,16 @@ class Fleet:
             self.upstream.abort_worker(sup.id, reason)
 
     def _on_state(self, sup: WorkerSupervisor) -> None:
-        """Tell admission whether the worker is crash-loop ``failed`` (when every worker of a
-        model is, its requests are refused at once instead of waiting). A supervisor that was
-        already replaced (restart) is ignored."""
-        if self.supervisors.get(sup.id) is sup:
-            self.admission.worker_failed(sup.id, sup.state == "failed", sup.retry_at)
+        """Tell admission when the worker enters or leaves crash-loop ``failed`` (when every
+        worker of a model is failed, its requests are refused at once instead of waiting);
+        its other state changes reach admission through ``on_ready`` / ``on_down``. A
+        supervisor that was already replaced (restart) is ignored."""
+        if self.supervisors.get(sup.id) is not sup:
+            return
+        failed = sup.state == "failed"
+        view = self.admission.dispatcher.workers.get(sup.id)
+        if view is not None and view.failed != failed:  # what admission knows changes
+            self.admission.worker_failed(sup.id, failed, sup.retry_at)
 
     def note_stall(self, worker_id: str) -> None:
         """Watchdog: a request on this worker stalled (liveness evidence)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -26,6 +27,9 @@ from gateway.scheduling import Unavailable
 from gateway.sizing import content_text
 from gateway.upstream import UpstreamError
 from gateway.worker_calls import tokenize
+
+if TYPE_CHECKING:
+    from gateway.inventory import ModelEntry
 
 log = get_logger("gateway.limits")
 
@@ -48,10 +52,12 @@ class _Decoder:
 
     ``feed`` never produces more than ``max_bytes`` + 1 decoded bytes in all (zlib's
     ``max_length``), so a small compressed body that expands far past the limit costs at most
-    the limit in memory before it is refused. ``deflate`` is the zlib format (RFC 9110
-    §8.4.1.2); a raw deflate stream is accepted too, as aiohttp and browsers do. A gzip body
-    may be several members, decoded one after the other; anything after a deflate stream, or
-    after a gzip member that is not another member, is invalid data.
+    the limit in memory before it is refused. An ``identity`` body is only collected:
+    :func:`read_body` bounds the bytes received before they reach ``feed``. ``deflate`` is
+    the zlib format (RFC 9110 §8.4.1.2); a raw deflate stream is accepted too, as aiohttp and
+    browsers do. A gzip body may be several members, decoded one after the other; anything
+    after a deflate stream, or after a gzip member that is not another member, is invalid
+    data.
     Raises ApiError 413 (decoded size over ``max_bytes``) or 400 (not valid data).
     """
 
@@ -63,9 +69,9 @@ class _Decoder:
             self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
 
     def feed(self, data: bytes) -> None:
-        if self.encoding == "identity":
+        if self.encoding == "identity":  # read_body has bounded it already
             self.out += data
-            return self._check()
+            return None
         if self._z is None:  # deflate: zlib header or raw stream, told by the first byte
             if not data:
                 return None
@@ -85,7 +91,9 @@ class _Decoder:
                 raise ApiError(400, f"request body is not valid {self.encoding} data: {e}") \
                     from None
             self.out += piece
-            self._check()
+            if len(self.out) > self.max_bytes:
+                raise ApiError(413, f"request body too large, the limit is {self.max_bytes} "
+                                    "bytes (decompressed)")
             # input zlib has not read yet: held back by max_length, or past the member's end
             data = self._z.unconsumed_tail or self._z.unused_data
 
@@ -94,11 +102,6 @@ class _Decoder:
             raise ApiError(400, f"request body is not valid {self.encoding} data: "
                                 "the compressed stream is incomplete")
         return bytes(self.out)
-
-    def _check(self) -> None:
-        if len(self.out) > self.max_bytes:
-            raise ApiError(413, f"request body too large, the limit is {self.max_bytes} bytes"
-                                + ("" if self.encoding == "identity" else " (decompressed)"))
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -196,17 +199,15 @@ def prompt_texts(body: dict, path: str) -> list[str]:
     return []
 
 
-async def check_prompt_length(gw, body: dict, path: str) -> None:
-    """Raises ApiError(400) when a prompt ``path`` would send (:func:`prompt_texts`) needs more
-    tokens than one slot's context.
+async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> None:
+    """Raises ApiError(400) when a prompt ``path`` would send (:func:`prompt_texts`) to
+    ``entry`` (the model ``body`` names, resolved by the caller) needs more tokens than one
+    slot's context. An embedding model is not checked (embeddings.py cuts or refuses each
+    input itself).
 
-    ``gw`` is the Gateway (inventory, fleet, upstream session, ``context_per_slot``).
+    ``gw`` is the Gateway (fleet, upstream session, ``context_per_slot``).
     """
-    name = body.get("model")
-    if not isinstance(name, str) or gw.inventory is None:
-        return
-    entry = gw.inventory.resolve(name)
-    if entry is None or entry.embeddings:
+    if entry.embeddings:
         return
     ctx = gw.context_per_slot(entry.name)
     if not ctx:

@@ -12,7 +12,8 @@ Two kinds of metric (names listed in the README, "Prometheus metrics"):
 
 Handlers report what only they know through the aiohttp request mapping, with
 :func:`note_lease` (worker, model, priority, queue wait) and :func:`note_first_byte` (TTFT),
-plus ``request["eval_count"]`` / ``request["prompt_eval_count"]`` (tokens).
+plus ``request["eval_count"]`` / ``request["prompt_eval_count"]`` (tokens; :func:`note_usage`
+for an OpenAI ``usage`` object).
 """
 
 from __future__ import annotations
@@ -51,8 +52,17 @@ def note_first_byte(request: "web.Request") -> None:
         request["ttft_ms"] = round((time.monotonic_ns() - request.get("t0_ns", 0)) / 1e6, 3)
 
 
+def note_usage(request: "web.Request", usage: dict | None) -> None:
+    """Record an OpenAI ``usage`` object's ``prompt_tokens`` / ``completion_tokens`` (tokens) on
+    ``request``; None counts as an empty usage (both unknown)."""
+    usage = usage or {}
+    request["prompt_eval_count"] = usage.get("prompt_tokens")
+    request["eval_count"] = usage.get("completion_tokens")
+
+
 def note_openai_usage(request: "web.Request", body: bytes) -> None:
-    """Pick ``usage.prompt_tokens`` / ``completion_tokens`` out of a /v1 body or SSE chunk."""
+    """Pick ``usage.prompt_tokens`` / ``completion_tokens`` out of a /v1 body or SSE chunk
+    (bytes as the worker sent them; see :func:`note_usage` for an already parsed one)."""
     if b'"usage"' not in body:
         return
     import orjson
@@ -63,11 +73,10 @@ def note_openai_usage(request: "web.Request", body: bytes) -> None:
         if b'"usage"' not in part:
             continue
         try:
-            usage = orjson.loads(part).get("usage") or {}
+            usage = orjson.loads(part).get("usage")
         except (orjson.JSONDecodeError, AttributeError):
             continue
-        request["prompt_eval_count"] = usage.get("prompt_tokens")
-        request["eval_count"] = usage.get("completion_tokens")
+        note_usage(request, usage)
 
 
 def endpoint_label(request: "web.Request") -> str:

@@ -15,6 +15,7 @@ import asyncio
 import socket
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -25,6 +26,9 @@ from gateway.auth import is_admin_token
 from gateway.logs import get_logger
 from gateway.texts import SHUTTING_DOWN_MESSAGE
 from gateway.upstream import current_request
+
+if TYPE_CHECKING:
+    from gateway.inventory import ModelEntry
 
 log = get_logger("gateway.access")
 
@@ -174,9 +178,11 @@ class Guard:
             if body is not None:
                 request["json_body"] = body  # the handler's read_json uses it: parsed once
                 limits.check_messages(body, cfg.limits.max_messages)
-                self._check_model(request, body, key, gw)
-                if cfg.limits.check_prompt_length:
-                    await limits.check_prompt_length(gw, body, path)
+                entry = self._check_model(request, body, key, gw)
+                # The prompt goes to the model named by "model" (only /api/show and /api/pull
+                # fall back to "name", and they send no prompt).
+                if cfg.limits.check_prompt_length and entry is not None and body.get("model"):
+                    await limits.check_prompt_length(gw, entry, body, path)
         inference = request.method == "POST" and path in limits.INFERENCE_ROUTES
         # Limits count inference requests only (a UI polling /api/tags during a stream is fine).
         if key is not None and inference:
@@ -228,22 +234,24 @@ class Guard:
         return key
 
     @staticmethod
-    def _check_model(request: web.Request, body: dict, key, gw) -> None:
+    def _check_model(request: web.Request, body: dict, key, gw) -> ModelEntry | None:
         """Note the configured model the body names (``request["model"]``: the metrics label and
         access-log field, so refused requests are counted under their model; names that are not
-        configured stay unlabelled, which bounds the label set). Raises ApiError when ``key``
-        may not use it: 403 on ``/api``, OpenAI's 404 ``model_not_found`` on ``/v1``."""
+        configured stay unlabelled, which bounds the label set) and return its entry (None for
+        a name that is not configured). Raises ApiError when ``key`` may not use it: 403 on
+        ``/api``, OpenAI's 404 ``model_not_found`` on ``/v1``."""
         name = body.get("model") or body.get("name")
         if not isinstance(name, str) or gw.inventory is None:
-            return
+            return None
         entry = gw.inventory.resolve(name)
         if entry is None:
-            return
+            return None
         request["model"] = entry.name
         if key is not None and not key.allows_model(entry.name):
             if request.path.startswith("/v1/"):
                 raise model_not_found_v1(name)
             raise ApiError(403, f"key '{key.cfg.name}' may not use model '{name}'")
+        return entry
 
     @staticmethod
     def _check_key_limits(key) -> None:

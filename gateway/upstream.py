@@ -94,6 +94,14 @@ def error_event(err) -> UpstreamError:
                          err.get("type", ""))
 
 
+def _watchdog_limits(config) -> dict:
+    """The ``Watchdog`` limits (seconds, bytes) a GatewayConfig sets."""
+    t = config.timeouts
+    return {"first_byte_s": t.first_byte_s, "inter_token_s": t.inter_token_s,
+            "client_write_s": t.client_write_s,
+            "write_buffer_bytes": config.limits.write_buffer_bytes}
+
+
 class Upstream:
     """Inference requests go through :mod:`gateway.worker_http` (a fresh connection each, see
     module doc); ``session`` is the aiohttp session of the side calls (tokenize, templates).
@@ -101,42 +109,35 @@ class Upstream:
     Args:
         admission: where leases come from.
         endpoint_of: worker id -> Endpoint (None when the worker is gone).
-        first_byte_s: longest wait (s) for the first byte of a streamed answer.
-        request_s: per-request deadline (s), from receipt, queueing included.
-        inter_token_s: longest gap (s) between two pieces of a streamed answer.
-        client_write_s / write_buffer_bytes: when a client that stopped reading is dropped.
+        config: the GatewayConfig whose limits apply (:meth:`configure`);
+            ``llama_server.spare_connections`` opens each worker's next connection ahead of
+            time (``spares``; fixed for the client's life, gateway.reload ``RESTART_ONLY``).
         on_stall / on_progress: worker-id callbacks of the watchdog (liveness evidence).
         attempts: tries for a request that got no response byte.
-        spare_connections: open each worker's next connection ahead of time (``spares``).
     """
 
-    def __init__(self, admission: Admission, endpoint_of, *, first_byte_s: float = 300.0,
-                 request_s: float = 3600.0, inter_token_s: float = 60.0,
-                 client_write_s: float = 30.0, write_buffer_bytes: int = 262144,
-                 on_stall=None, on_progress=None, attempts: int = 3,
-                 spare_connections: bool = True):
+    def __init__(self, admission: Admission, endpoint_of, config, *, on_stall=None,
+                 on_progress=None, attempts: int = 3):
         self.admission = admission
         self.endpoint_of = endpoint_of
-        self.first_byte_s = first_byte_s
-        self.request_s = request_s
         self.attempts = attempts
         self.session: aiohttp.ClientSession | None = None
         self._held: set[asyncio.Task] = set()  # see _hold_until_done
-        self.spares = SpareConnections() if spare_connections else None
-        self.watchdog = Watchdog(UpstreamError, first_byte_s=first_byte_s,
-                                 inter_token_s=inter_token_s, client_write_s=client_write_s,
-                                 write_buffer_bytes=write_buffer_bytes, on_stall=on_stall,
+        self.spares = SpareConnections() if config.llama_server.spare_connections else None
+        self.watchdog = Watchdog(UpstreamError, **_watchdog_limits(config), on_stall=on_stall,
                                  on_progress=on_progress)
+        self.configure(config)
 
-    def configure(self, *, first_byte_s: float, request_s: float, inter_token_s: float,
-                  client_write_s: float, write_buffer_bytes: int) -> None:
-        """New limits (see the class doc) for new requests and, for the watchdog's, running
-        streams too (a reload)."""
-        self.first_byte_s = first_byte_s
-        self.request_s = request_s
-        self.watchdog.configure(first_byte_s=first_byte_s, inter_token_s=inter_token_s,
-                                client_write_s=client_write_s,
-                                write_buffer_bytes=write_buffer_bytes)
+    def configure(self, config) -> None:
+        """Take the limits of ``config`` (a GatewayConfig), at start and on every reload: for
+        new requests ``timeouts.first_byte_s`` (longest wait, s, for the first byte of a
+        streamed answer) and ``timeouts.request_s`` (per-request deadline, s, from receipt,
+        queueing included); for the watchdog, running streams too, ``timeouts.inter_token_s``
+        (longest gap, s, between two pieces of a streamed answer), ``timeouts.client_write_s``
+        and ``limits.write_buffer_bytes`` (when a client that stopped reading is dropped)."""
+        self.first_byte_s = config.timeouts.first_byte_s
+        self.request_s = config.timeouts.request_s
+        self.watchdog.configure(**_watchdog_limits(config))
 
     def request_deadline(self) -> float | None:
         """Monotonic seconds at which the client request being served (``current_request``)

@@ -54,3 +54,19 @@ def test_every_supervisor_state_has_a_worker_state_series():
     set_states = set(re.findall(r'_set_state\("([a-z]+)"', inspect.getsource(supervisor)))
     assert {"starting", "ready", "backoff", "failed", "wedged", "stopped"} <= set_states
     assert set_states <= set(WORKER_STATES) and "draining" in WORKER_STATES
+
+
+def test_usage_from_a_parsed_object_and_from_worker_bytes_agree():
+    """The /v1 handlers note tokens from an already parsed ``usage`` (the folded answer, a
+    parsed SSE event) or from raw worker bytes; both give the access record the same counts."""
+    from gateway.metrics import note_openai_usage, note_usage
+
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    parsed: dict = {}
+    note_usage(parsed, usage)
+    raw: dict = {}
+    note_openai_usage(raw, b'data: {"choices": [], "usage": {"prompt_tokens": 7, '
+                           b'"completion_tokens": 3, "total_tokens": 10}}\n\n')
+    assert parsed == raw == {"prompt_eval_count": 7, "eval_count": 3}
+    note_usage(parsed, None)  # no usage: the counts are unknown, not kept from before
+    assert parsed == {"prompt_eval_count": None, "eval_count": None}

@@ -117,14 +117,15 @@ class WorkerSupervisor:
         except asyncio.TimeoutError:
             return False
 
-    def _set_state(self, state: str, detail: str = "") -> None:
+    def _set_state(self, state: str, detail: str = "", retry_at: float | None = None) -> None:
+        """The one writer of ``state``, ``detail`` and ``retry_at`` (``time.monotonic`` seconds
+        of the next start; given only with ``failed``, None in every other state); calls
+        ``on_state`` when ``state`` changed."""
         changed = state != self.state
         if changed or detail != self.detail:
             self.log.info("worker.state", state=state, detail=detail or None,
                           pid=self.process.pid if self.process else None)
-        if state != "failed":
-            self.retry_at = None
-        self.state, self.detail = state, detail
+        self.state, self.detail, self.retry_at = state, detail, retry_at
         if changed and self.on_state is not None:
             self.on_state(self)
 
@@ -186,10 +187,10 @@ class WorkerSupervisor:
                     self.crash_loops += 1
                     n = len(self._restart_times)
                     self._restart_times.clear()
-                    self.retry_at = time.monotonic() + self.failed_retry_s
                     self._set_state("failed", f"crash loop: {n} restarts within "
                                               f"{self.crash_loop_window_s:g} s (last: {reason}); "
-                                              f"next try in {self.failed_retry_s:g} s")
+                                              f"next try in {self.failed_retry_s:g} s",
+                                    retry_at=time.monotonic() + self.failed_retry_s)
                     self.log.error("worker.crash_loop", restarts=n, last_reason=reason,
                                    retry_in_s=self.failed_retry_s)
                     await self._sleep(self.failed_retry_s)

@@ -140,16 +140,11 @@ def _dimensions(body: dict) -> int:
     return d
 
 
-async def _checked_entry(request: web.Request, body: dict, missing_status: int) -> ModelEntry:
-    """The embedding model ``body`` names; an unknown one is Ollama's 404 ``model '<name>' not
-    found``, or OpenAI's ``model_not_found`` on ``/v1``."""
-    if request.path.startswith("/v1/") and isinstance(body.get("model"), str) and \
-            request.app["gw"].inventory.resolve(body["model"]) is None:
-        raise model_not_found_v1(body["model"])
-    entry = resolve_model(request, body, missing_status=missing_status)
+async def _check_embedding(request: web.Request, body: dict, entry: ModelEntry) -> None:
+    """Checks shared by the three routes once ``entry`` (the model ``body`` names) is found:
+    ``keep_alive`` parses and the model embeds. Raises ApiError."""
     parse_keep_alive(body.get("keep_alive"))
     await require(request.app["gw"], entry, "embedding", body["model"])
-    return entry
 
 
 def _json(obj, status: int = 200) -> web.Response:
@@ -160,7 +155,8 @@ async def api_embed(request: web.Request) -> web.Response:
     """Ollama ``POST /api/embed`` → ``{"model","embeddings","total_duration","load_duration",
     "prompt_eval_count"}`` (durations ns)."""
     body = await read_json(request)
-    entry = await _checked_entry(request, body, 404)
+    entry = resolve_model(request, body, missing_status=404)
+    await _check_embedding(request, body, entry)
     raw = body.get("input")
     if raw is None or raw == "" or raw == []:
         entry.touch(parse_keep_alive(body.get("keep_alive")))
@@ -183,7 +179,8 @@ async def api_embed(request: web.Request) -> web.Response:
 async def api_embeddings(request: web.Request) -> web.Response:
     """Legacy Ollama ``POST /api/embeddings {model, prompt}`` → ``{"embedding": [...]}``."""
     body = await read_json(request)
-    entry = await _checked_entry(request, body, 400)
+    entry = resolve_model(request, body, missing_status=400)
+    await _check_embedding(request, body, entry)
     prompt = body.get("prompt") or ""
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string")
@@ -206,7 +203,10 @@ async def v1_embeddings(request: web.Request) -> web.Response:
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise ApiError(400, "model is required")
-    entry = await _checked_entry(request, body, 400)
+    entry = request.app["gw"].inventory.resolve(name)
+    if entry is None:  # OpenAI's answer, where the Ollama routes say "model '<name>' not found"
+        raise model_not_found_v1(name)
+    await _check_embedding(request, body, entry)
     raw = body.get("input")
     if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw)):
         inputs = [raw]

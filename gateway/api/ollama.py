@@ -247,32 +247,30 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
         request["error"] = st.error
         if out is None:
             return ollama_error(st.error_status, st.error)
-        await out.write(orjson.dumps({"error": st.error}) + b"\n")
-        await out.write_eof()
-        return out
+        return await _end_with_error(out, st.error)
     obj = final(st)
     if hasattr(obj, "__await__"):
         try:
             obj = await obj
         except Unavailable as e:  # the model's workers failed while it generated
-            if out is None:
-                return _refused(gw, e)
-            await out.write(orjson.dumps({"error": str(e)}) + b"\n")
-            await out.write_eof()
-            return out
+            return _refused(gw, e) if out is None else await _end_with_error(out, str(e))
         except UpstreamError as e:  # e.g. /tokenize for ``context`` failed
             msg, status = upstream_error_text(e)
-            if out is None:
-                return ollama_error(status, msg)
-            await out.write(orjson.dumps({"error": msg}) + b"\n")
-            await out.write_eof()
-            return out
+            return ollama_error(status, msg) if out is None else await _end_with_error(out, msg)
     request["eval_count"], request["prompt_eval_count"] = obj.get("eval_count"), obj.get("prompt_eval_count")
     if not stream:
         return web.Response(body=orjson.dumps(obj), content_type="application/json")
     if out is None:
         out = await prepare_ndjson(request)
     await out.write_eof(orjson.dumps(obj) + b"\n")  # last line and end of stream in one write
+    return out
+
+
+async def _end_with_error(out: web.StreamResponse, message: str) -> web.StreamResponse:
+    """End a started NDJSON stream with Ollama's ``{"error": message}`` line (routes.go
+    streamResponse); returns ``out``."""
+    await out.write(orjson.dumps({"error": message}) + b"\n")
+    await out.write_eof()
     return out
 
 

@@ -24,7 +24,7 @@ from gateway.api.errors import (ApiError, admission_error, model_not_found_v1, o
                                 openai_error_body)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.logs import get_logger
-from gateway.metrics import note_first_byte, note_lease, note_openai_usage
+from gateway.metrics import note_first_byte, note_lease, note_openai_usage, note_usage
 from gateway.upstream import UpstreamError, error_event, iter_sse_batches, read_all
 
 log = get_logger("gateway.api.openai")
@@ -91,9 +91,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
             note_lease(request, lease)
             if fold is not None:
-                data = await _fold_stream(request, resp, fold)
-                note_openai_usage(request, data)
-                return web.Response(body=data, content_type="application/json")
+                answer = await _fold_stream(request, resp, fold)
+                note_usage(request, answer["usage"])
+                return web.Response(body=orjson.dumps(answer), content_type="application/json")
             if not stream:
                 data = await read_all(resp)
                 note_openai_usage(request, data)
@@ -140,28 +140,30 @@ def _bound_max_tokens(gw, body: dict) -> None:
     it prefers to ``max_tokens``) is bounded the same way, so the cap cannot be bypassed.
     Raises ApiError(400) for a non-integer or out-of-range value."""
     gen = gw.config.generation
+    cap = gen.num_predict_max
     for k in _GATEWAY_OWNED:
         body.pop(k, None)
-    for k in _BUDGET_KEYS:
-        v = body.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                              or not INT64_MIN <= v <= INT64_MAX):
-            raise ApiError(400, f"{k} must be an integer, got {orjson.dumps(v).decode()[:40]}")
     # Whichever of the three keys llama-server ends up using, each present one is bounded
     # (a null counts as absent); with none, max_tokens carries the default.
+    budgeted = False
     for k in _BUDGET_KEYS:
-        if k in body and body[k] is None:
+        if k not in body:
+            continue
+        v = body[k]
+        if v is None:
             del body[k]
-    if not any(k in body for k in _BUDGET_KEYS):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not INT64_MIN <= v <= INT64_MAX:
+            raise ApiError(400, f"{k} must be an integer, got {orjson.dumps(v).decode()[:40]}")
+        budgeted = True
+        if cap is not None and (v < 0 or v > cap):
+            body[k] = cap
+    if not budgeted:
+        # config validation keeps num_predict_default <= num_predict_max
         if gen.num_predict_default > 0:
             body["max_tokens"] = gen.num_predict_default
-        elif gen.num_predict_max is not None:
-            body["max_tokens"] = gen.num_predict_max
-    if gen.num_predict_max is not None:
-        for k in _BUDGET_KEYS:
-            v = body.get(k)
-            if v is not None and (v < 0 or v > gen.num_predict_max):
-                body[k] = gen.num_predict_max
+        elif cap is not None:
+            body["max_tokens"] = cap
 
 
 def _sse(obj) -> bytes:
@@ -182,8 +184,9 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
             if b'"usage"' not in data and b'"error"' not in data:
                 parts.append(b"data: " + data + b"\n\n")  # hot path: pass the event through
                 continue
-            note_openai_usage(request, data)
             ev = orjson.loads(data)
+            if b'"usage"' in data:
+                note_usage(request, ev.get("usage"))
             if "error" in ev:
                 if parts:
                     await out.write(b"".join(parts))
@@ -199,14 +202,15 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
     await out.write(b"data: [DONE]\n\n")
 
 
-async def _fold_stream(request: web.Request, resp, fold: OpenAIFold) -> bytes:
-    """Read the worker's whole stream into ``fold``; returns the non-streamed JSON body.
+async def _fold_stream(request: web.Request, resp, fold: OpenAIFold) -> dict:
+    """Read the worker's whole stream into ``fold``; returns the non-streamed answer object
+    (``OpenAIFold.result``, which always has ``usage``).
     Raises UpstreamError for an error event, a broken stream or one that ended early."""
     async for batch in iter_sse_batches(resp):
         note_first_byte(request)
         for data in batch:
             fold.add(orjson.loads(data))
-    return orjson.dumps(fold.result())
+    return fold.result()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

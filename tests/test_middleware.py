@@ -1,0 +1,45 @@
+"""Unit test of gateway.middleware's Guard: the model a request names is resolved once, by
+``_check_model``, whose entry the prompt-length check then uses (the guard's whole order is
+covered end to end in tests/e2e/test_access.py and tests/e2e/test_limits.py). The requests
+are aiohttp's own test requests (make_mocked_request: a real web.Request with no connection)."""
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from gateway.api.errors import ApiError
+from gateway.app import Gateway
+from gateway.auth import KeyRing, hash_key
+from gateway.config import parse_config
+from gateway.inventory import Inventory, ModelEntry
+from gateway.middleware import Guard
+from workers.demo_model import ensure_demo_model
+
+# the gateway keeps its per-request fields under string keys (aiohttp suggests RequestKey)
+pytestmark = pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")
+
+
+@pytest.fixture(scope="module")
+def gw():
+    cfg = parse_config({"models": [{"name": "demo", "path": "builtin:demo"},
+                                   {"name": "other", "path": "builtin:demo"}],
+                        "auth": {"keys": [{"name": "a", "sha256": hash_key("k1"),
+                                           "models": ["demo"]}]}})
+    g = Gateway(cfg)
+    path = ensure_demo_model()  # the real demo GGUF
+    g.inventory = Inventory([ModelEntry.load(m.full_name, path) for m in cfg.models])
+    return g
+
+
+def test_check_model_returns_the_entry_it_labels_the_request_with(gw):
+    key = KeyRing(gw.config).lookup("Bearer k1")  # may use demo only
+    req = make_mocked_request("POST", "/api/chat")
+    entry = Guard._check_model(req, {"model": "demo"}, key, gw)
+    assert entry is gw.inventory.resolve("demo:latest") and req["model"] == "demo:latest"
+    req = make_mocked_request("POST", "/api/show")  # /api/show's "name" names the model too
+    assert Guard._check_model(req, {"name": "demo"}, None, gw) is entry
+    for body in ({"model": "nope"}, {"model": 5}, {}):  # not configured: no entry, no label
+        req = make_mocked_request("POST", "/api/chat")
+        assert Guard._check_model(req, body, None, gw) is None and "model" not in req
+    with pytest.raises(ApiError) as e:  # a model the key may not use
+        Guard._check_model(make_mocked_request("POST", "/api/chat"), {"model": "other"}, key, gw)
+    assert e.value.status == 403
