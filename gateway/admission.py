@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from gateway.logs import get_logger
 from gateway.scheduling import Dispatcher, QueueFull, ShuttingDown, SlotLease, Ticket, Unavailable
@@ -43,7 +43,6 @@ class Admission:
         self.expire_interval_s = expire_interval_s
         self._waiters: dict[Ticket, asyncio.Future] = {}
         self._expiry_task: asyncio.Task | None = None
-        self.listeners: list[Callable[[], None]] = []
         self.shutting_down = False  # set by ``shut_down``: every request is refused
 
     # ---- fleet events ----------------------------------------------------------------------
@@ -155,8 +154,6 @@ class Admission:
                 fut.set_result(lease)
             else:  # its waiter is gone: free the slot again (may dispatch others)
                 self._deliver(lease.release())
-        for cb in self.listeners:
-            cb()
 
     def _ensure_expiry(self) -> None:
         if self._expiry_task is None or self._expiry_task.done():
