@@ -192,6 +192,12 @@ async def check_prompt_length(gw, body: dict, path: str) -> None:
     """Raises ApiError(400) when a prompt ``path`` would send (:func:`prompt_texts`) needs more
     tokens than one slot's context.
 
+    A prompt longer than the context in bytes is counted by a worker's ``/tokenize``, unless
+    admission would refuse the request at once (``Admission.would_refuse``: full queue, no
+    worker can serve it): then nothing is asked and the handler gets admission's answer
+    without waiting for that side call (the scheduler's estimate and the worker still refuse a
+    prompt that does not fit).
+
     ``gw`` is the Gateway (inventory, fleet, upstream session, ``context_per_slot``).
     """
     name = body.get("model")
@@ -206,6 +212,8 @@ async def check_prompt_length(gw, body: dict, path: str) -> None:
     for text in prompt_texts(body, path):
         if len(text.encode("utf-8", "surrogatepass")) <= ctx:
             continue
+        if gw.admission.would_refuse(entry.name) is not None:
+            return
         n = await _count_tokens(gw, entry.name, text)
         if n is not None and n >= ctx:
             raise ApiError(400, context_overflow(n, ctx))

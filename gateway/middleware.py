@@ -173,7 +173,11 @@ class Guard:
                 limits.check_messages(body, cfg.limits.max_messages)
                 self._check_model(request, body, key, gw)
                 if cfg.limits.check_prompt_length:
-                    await limits.check_prompt_length(gw, body, path)
+                    token = current_request.set(request)  # its side call logs the request id
+                    try:
+                        await limits.check_prompt_length(gw, body, path)
+                    finally:
+                        current_request.reset(token)
         inference = request.method == "POST" and path in limits.INFERENCE_ROUTES
         # Limits count inference requests only (a UI polling /api/tags during a stream is fine).
         if key is not None and inference:

@@ -117,9 +117,10 @@ def prefix_keys(ticket: Ticket) -> tuple[tuple[int, int], ...]:
 class LeastLoaded:
     """Default policy. Cost of placing the ticket on worker ``w`` (lower is better)::
 
-        (occupancy(w) + 1) / (slots × speed)  +  kv_weight × kv_fill_after
+        (occupancy(w) + ticket.slots) / (slots × speed)  +  kv_weight × kv_fill_after
 
-    - occupancy / slots: fraction of slots in use (1-1-1-1 before 2-2-2-2 on equal workers);
+    - occupancy / slots: fraction of slots in use after placing the ticket (1-1-1-1 before
+      2-2-2-2 on equal workers; a ticket of ``n`` choices takes ``n``);
       dividing by ``speed`` (measured relative throughput) sends more to faster GPUs;
     - kv_fill_after: fraction of the worker's KV cache in use after adding the ticket's estimate;
     - ties: fewer busy slots, then the rendezvous rank of the ticket's prefix key, then fleet order.
@@ -138,9 +139,10 @@ class LeastLoaded:
         self.index = PrefixIndex() if affinity_bound is not None else None
 
     def cost(self, w: WorkerView, ticket: Ticket) -> float:
-        c = (occupancy(w) + 1) / (w.slots * (w.speed if w.speed > 0 else 1.0))
+        c = (occupancy(w) + ticket.slots) / (w.slots * (w.speed if w.speed > 0 else 1.0))
         if w.kv_capacity:
-            c += self.kv_weight * min(1.0, (w.kv_used + ticket.est_tokens) / w.kv_capacity)
+            need = ticket.est_tokens * ticket.slots
+            c += self.kv_weight * min(1.0, (w.kv_used + need) / w.kv_capacity)
         return c
 
     def within_bound(self, w: WorkerView, avg: float, least: int, held: int) -> bool:
@@ -190,7 +192,8 @@ class LeastLoaded:
 
 
 class LeastConnections:
-    """Fewest live requests (leases), then fleet order. Ignores slots, KV and speed."""
+    """Fewest busy slots (live requests; one of ``n`` choices counts ``n``), then fleet order.
+    Ignores slot counts, KV and speed."""
 
     kv_aware = False
 
