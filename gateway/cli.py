@@ -119,15 +119,18 @@ def _admin(args) -> int:
     return 0
 
 
-def _check_files(cfg) -> list[str]:
+def _check_files(cfg) -> tuple[list[str], dict[str, int]]:
     """What ``serve`` would refuse: an unusable llama-server binary (no build is started here)
-    or a model path that is not a readable GGUF. Returns key-path error lines."""
+    or a model path that is not a readable GGUF. Returns key-path error lines, and each model's
+    trained context (full name -> tokens, 0 unknown) from its GGUF (the built-in demo model's
+    file when it was written already, else its default)."""
     from pathlib import Path
 
     from gateway.inventory import GGUFFacts
+    from workers.demo_model import N_CTX_TRAIN, demo_model_path
     from workers.provision import ProvisionError, find_llama_server
 
-    problems = []
+    problems, trained = [], {}
     ls = cfg.llama_server
     try:
         if find_llama_server(ls.binary, None if ls.backend == "auto" else ls.backend) is None:
@@ -136,13 +139,15 @@ def _check_files(cfg) -> list[str]:
     except ProvisionError as e:
         problems.append(f"llama_server.binary: {e}")
     for i, m in enumerate(cfg.models):
-        if m.is_builtin:
+        path = demo_model_path() if m.is_builtin else Path(m.path).expanduser()
+        if m.is_builtin and not path.exists():
+            trained[m.full_name] = N_CTX_TRAIN
             continue
         try:
-            GGUFFacts.read(Path(m.path).expanduser())
+            trained[m.full_name] = GGUFFacts.read(path).context_length
         except (OSError, ValueError) as e:
             problems.append(f"models[{i}].path: not a readable GGUF file: {m.path} ({e})")
-    return problems
+    return problems, trained
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,13 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         if verb == "check-config":
             from gateway.config import plan_workers
             from workers.gpu import detect_gpus
-            problems = _check_files(cfg)
+            from gateway.inventory import slot_context
+            problems, trained = _check_files(cfg)
             if problems:
                 sys.stderr.write(f"llama-gateway: invalid config\n{ConfigError(problems, cfg.source)}\n")
                 return 2
             for w in plan_workers(cfg, detect_gpus()):
+                ctx = slot_context(w.context, trained.get(w.model, 0))
+                capped = (f" (capped from {w.context}: the model's training context)"
+                          if ctx < w.context else "")
                 sys.stdout.write(f"{w.id}\tmodel={w.model}\tgpus={list(w.gpus) or 'cpu'}\t"
-                                 f"slots={w.slots}\tcontext/slot={w.context}\n")
+                                 f"slots={w.slots}\tcontext/slot={ctx}{capped}\n")
             return 0
         from gateway.app import serve
         try:

@@ -91,6 +91,20 @@ class GGUFFacts:
         kv.pop("tokenizer.chat_template", None)
         return facts
 
+    @property
+    def context_length(self) -> int:
+        """Context the model was trained for (``<arch>.context_length``, tokens; 0 unknown)."""
+        return int(self.kv.get(f"{self.architecture}.context_length") or 0)
+
+
+def slot_context(configured: int, trained: int) -> int:
+    """Per-slot context (tokens) a llama-server worker really gets for ``configured`` tokens per
+    slot: capped at the model's trained context ``trained`` (0 = unknown: not capped), as the
+    pinned llama-server does (``n_ctx_slot``: min(per-sequence context, n_ctx_train),
+    tools/server/server-context.cpp; it logs "the slot context (N) exceeds the training context
+    of the model (M) - capping"). Its rounding of ``-c`` to multiples of 256 is not applied."""
+    return min(configured, trained) if trained > 0 else configured
+
 
 # GGUF keys naming FIM tokens (llama.cpp llama-vocab.cpp LLM_KV_TOKENIZER_FIM_*_ID) and the
 # token texts llama.cpp recognises as FIM prefix/suffix/middle when those keys are absent.
@@ -106,10 +120,11 @@ def _vocab_has_fim(f) -> bool:
         return False
 
 
-#: Ollama's default keep_alive (envconfig KeepAlive: 5m).
-DEFAULT_KEEP_ALIVE_S = 300.0
-#: Go's max time.Duration from now: Ollama shows "forever" as a far-future expiry.
-FOREVER = datetime(2262, 4, 11, 23, 47, 16, tzinfo=timezone.utc)
+#: Go's largest ``time.Duration`` (``math.MaxInt64`` ns, about 292 years): what Ollama keeps a
+#: model loaded for after a request with a negative ``keep_alive`` (api/types.go
+#: ``Duration.UnmarshalJSON``), and so how far its ``/api/ps`` ``expires_at`` lies after that
+#: request (server/sched.go: ``expiresAt = time.Now().Add(sessionDuration)``).
+GO_MAX_DURATION = timedelta(microseconds=(2 ** 63 - 1) // 1000)
 
 
 def capabilities(*, embeddings: bool, template: str, has_fim: bool, vision: bool) -> list[str]:
@@ -149,25 +164,18 @@ class ModelEntry:
     worker_template: str | None = None   # chat template a worker reported in /props, if asked
     worker_vision: bool = False          # a worker reported modalities.vision in /props
     last_used: datetime | None = None
-    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
 
-    def touch(self, keep_alive_s: float | None) -> None:
-        """Record a request (Ollama ``keep_alive`` in seconds, None = default 5 m, < 0 = forever)."""
+    def touch(self, keep_alive_s: float | None = None) -> None:
+        """Record a request. Its Ollama ``keep_alive`` (seconds; the handlers validate it) changes
+        nothing: the gateway keeps every model loaded (``expires_at``)."""
         self.last_used = datetime.now().astimezone()
-        if keep_alive_s is not None:
-            self.keep_alive_s = keep_alive_s
 
     def expires_at(self, loaded_at: datetime) -> datetime:
-        """Last request (or ``loaded_at``) + keep_alive; FOREVER for a negative keep_alive.
-
-        The gateway never unloads: this is the time Ollama would, as ``/api/ps`` shows it."""
-        if self.keep_alive_s < 0:
-            return FOREVER.astimezone()
-        base = self.last_used or loaded_at
-        try:
-            return base + timedelta(seconds=self.keep_alive_s)
-        except OverflowError:
-            return FOREVER.astimezone()
+        """When ``/api/ps`` says the model unloads: never, shown as Ollama shows a model kept
+        forever (``keep_alive`` < 0): the last request (or ``loaded_at``) + Go's largest duration,
+        about 292 years later. The gateway never unloads a model it serves, whatever
+        ``keep_alive`` a request gave, so any nearer time would be a time it did not unload at."""
+        return (self.last_used or loaded_at) + GO_MAX_DURATION
 
     @classmethod
     def load(cls, name: str, path: Path, aliases=(), embeddings: bool = False) -> "ModelEntry":
@@ -200,7 +208,8 @@ class ModelEntry:
 
     @property
     def context_length(self) -> int:
-        return int(self.facts.kv.get(f"{self.facts.architecture}.context_length") or 0)
+        """Trained context of the model (``GGUFFacts.context_length``; 0 unknown)."""
+        return self.facts.context_length
 
 
 def _sha256(path: Path) -> str:

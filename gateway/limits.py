@@ -205,6 +205,12 @@ async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> N
     slot's context. An embedding model is not checked (embeddings.py cuts or refuses each
     input itself).
 
+    A prompt longer than the context in bytes is counted by a worker's ``/tokenize``, unless
+    admission would refuse the request at once (``Admission.would_refuse``: full queue, no
+    worker can serve it): then nothing is asked and the handler gets admission's answer
+    without waiting for that side call (the scheduler's estimate and the worker still refuse a
+    prompt that does not fit).
+
     ``gw`` is the Gateway (fleet, upstream session, ``context_per_slot``).
     """
     if entry.embeddings:
@@ -215,6 +221,8 @@ async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> N
     for text in prompt_texts(body, path):
         if len(text.encode("utf-8", "surrogatepass")) <= ctx:
             continue
+        if gw.admission.would_refuse(entry.name) is not None:
+            return
         n = await _count_tokens(gw, entry.name, text)
         if n is not None and n >= ctx:
             raise ApiError(400, context_overflow(n, ctx))

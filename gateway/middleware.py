@@ -182,7 +182,11 @@ class Guard:
                 # The prompt goes to the model named by "model" (only /api/show and /api/pull
                 # fall back to "name", and they send no prompt).
                 if cfg.limits.check_prompt_length and entry is not None and body.get("model"):
-                    await limits.check_prompt_length(gw, entry, body, path)
+                    token = current_request.set(request)  # its side call logs the request id
+                    try:
+                        await limits.check_prompt_length(gw, entry, body, path)
+                    finally:
+                        current_request.reset(token)
         inference = request.method == "POST" and path in limits.INFERENCE_ROUTES
         # Limits count inference requests only (a UI polling /api/tags during a stream is fine).
         if key is not None and inference:

@@ -14,6 +14,8 @@ boundaries (after each chat message; for a plain prompt after ``prefix_bytes`` Ã
 bytes and at its end), with the estimated tokens up to there: the next turn of a conversation
 repeats the previous turn's prompt, so its chain contains the previous turn's last key, and the
 scorer finds the worker that served it (prefix affinity, gateway/scheduling/scorer.py).
+
+A ``/v1`` request with ``n`` choices occupies ``n`` slots of its worker (``choices``).
 """
 
 from __future__ import annotations
@@ -37,13 +39,29 @@ class SizeEstimate:
     first token (bytes / bytes per token, rounded up; the token count for a token list);
     est_tokens: KV tokens the request may occupy (prompt + generation);
     prefix_key: 64-bit hash of the prompt head, None when there is no prompt;
-    prefix_chain: (64-bit key, estimated tokens) at each prompt boundary, shortest first."""
+    prefix_chain: (64-bit key, estimated tokens) at each prompt boundary, shortest first;
+    slots: slots the request takes on its worker (``choices``), each holding ``est_tokens``."""
 
     prompt_tokens: int
     est_tokens: int
     prefix_key: int | None
     prefix_chain: Chain = ()
     prefill_tokens: int = 0
+    slots: int = 1
+
+
+def choices(body: dict) -> int:
+    """Slots an upstream completion body takes on one llama-server: its ``n_cmpl``, else ``n``
+    (llama-server reads ``n_cmpl`` first and ``n`` as its alias, server-schema.cpp, and runs
+    that many tasks side by side, one slot each, tools/server/server-context.cpp); 1 when both
+    are absent or not a number of at least 1 (llama-server then answers 400 itself). A fraction
+    counts as its integer part, as llama-server converts it."""
+    v = body.get("n_cmpl")
+    if v is None:
+        v = body.get("n")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 1:
+        return int(v)
+    return 1
 
 
 def prefix_chain(parts: Iterable[tuple[bytes, int]]) -> Chain:
@@ -155,4 +173,4 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
         key = int.from_bytes(hashlib.blake2b(flat[:prefix_bytes], digest_size=8).digest(), "big")
     chain = prefix_chain(_chain_parts(body, bytes_per_token, prefix_bytes))
     return SizeEstimate(prompt_tokens=refuse, est_tokens=est, prefix_key=key, prefix_chain=chain,
-                        prefill_tokens=prompt)
+                        prefill_tokens=prompt, slots=choices(body))

@@ -14,6 +14,14 @@ def context_overflow(prompt_tokens: int, n_ctx: int, approx: bool = False) -> st
             f"context per slot: {n_ctx} tokens)")
 
 
+def too_many_choices(slots: int, max_slots: int) -> str:
+    """A ``/v1`` request whose ``n`` (choices generated side by side, one slot each on one
+    worker) exceeds the slots of every worker of its model."""
+    return (f"n = {slots} asks for {slots} choices at once, each taking a slot of the same "
+            f"worker, but the workers of this model have at most {max_slots} slots; ask for at "
+            f"most {max_slots} (or raise the model's slots in the gateway config)")
+
+
 def all_drained(model: str) -> str:
     """Every worker of ``model`` was drained by the operator (admin ``drain``)."""
     return f"every worker of model '{model}' is drained; please try again later"

@@ -56,3 +56,21 @@ def test_simulate_refuses_an_unknown_profile():
     r = run("simulate", "--gpus", "1", "--duration", "1", "--profile", "no-such-gpu")
     assert r.returncode == 2
     assert "unknown profile 'no-such-gpu'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_check_config_prints_the_per_slot_context_the_model_allows(tmp_path):
+    """llama-server caps each slot's context at the model's training context (the GGUF's
+    ``<arch>.context_length``): check-config prints that effective context and says so."""
+    from workers.demo_model import write_demo_model
+
+    gguf = write_demo_model(tmp_path / "m.gguf", n_ctx_train=2048)
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(f"listen: 127.0.0.1:0\nmodels:\n"
+                   f"  - {{name: big, path: {gguf}, cpu: 1, slots: 2, context: 4096}}\n"
+                   f"  - {{name: fits, path: {gguf}, cpu: 1, slots: 2, context: 1024}}\n")
+    r = run("check-config", "-c", str(cfg))
+    assert r.returncode == 0, r.stderr
+    rows = dict(line.split("\t", 1) for line in r.stdout.splitlines())
+    assert rows["big-cpu0"].endswith(
+        "slots=2\tcontext/slot=2048 (capped from 4096: the model's training context)")
+    assert rows["fits-cpu0"].endswith("slots=2\tcontext/slot=1024")

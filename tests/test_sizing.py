@@ -1,6 +1,6 @@
 """Request size estimates and prefix keys (gateway.sizing)."""
 
-from gateway.sizing import REFUSE_SAFETY, estimate
+from gateway.sizing import REFUSE_SAFETY, choices, estimate
 
 
 def est(body, **kw):
@@ -63,3 +63,16 @@ def test_plain_prompt_chain_at_doubling_boundaries():
     tokens = est({"prompt": list(range(100))}).prefix_chain
     assert [n for _, n in tokens] == [32, 64, 100]
     assert est({"prompt": 5}).prefix_chain == ()
+
+
+def test_choices_is_the_slot_count_llama_server_runs_side_by_side():
+    """``n_cmpl`` first, then its alias ``n`` (llama-server's order); anything it would refuse
+    or that is absent counts as one slot."""
+    assert choices({}) == 1
+    assert choices({"n": 3}) == 3 and choices({"n": 2.9}) == 2
+    assert choices({"n_cmpl": 2, "n": 4}) == 2 and choices({"n_cmpl": None, "n": 4}) == 4
+    for bad in (0, -2, "3", True, None, float("nan"), [2]):
+        assert choices({"n": bad}) == 1
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 5}
+    est = estimate(body, bytes_per_token=4.0, prefix_bytes=512, unknown_num_predict=100)
+    assert est.slots == 3 and est.est_tokens < 100  # the estimate is per choice (each slot)

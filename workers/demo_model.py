@@ -45,6 +45,7 @@ N_HEAD_KV = 4
 N_FF = 128
 N_MERGES = 300
 WEIGHT_STD = 0.02
+N_CTX_TRAIN = 4096  # the demo model's context_length (tokens) unless written with another
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -175,7 +176,7 @@ def demo_model_path() -> Path:
     return cache_root() / "models" / "demo.gguf"
 
 
-def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = 4096) -> Path:
+def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAIN) -> Path:
     """Write the demo model (see ``DEMO_MODEL_SPEC``) to ``path`` atomically and return ``path``."""
     import gguf
 

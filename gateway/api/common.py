@@ -10,7 +10,7 @@ import orjson
 from aiohttp import web
 
 from gateway.api.errors import ApiError
-from gateway.scheduling import Ticket, TooLarge
+from gateway.scheduling import Ticket, TooLarge, TooManySlots
 
 STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 
@@ -69,9 +69,10 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
     else ``X-Priority`` (integer) overrides the model's default class.
 
     With ``body`` (the upstream request body), the ticket carries the fleet's size estimate
-    (prompt tokens, KV tokens, prefix key; ``gateway.sizing``). Raises ApiError(400) for a bad
-    ``X-Priority`` and for a prompt that cannot fit any worker's per-slot context (field case 4:
-    refused before anything is forwarded)."""
+    (prompt tokens, KV tokens, prefix key, slots for ``n`` choices; ``gateway.sizing``). Raises
+    ApiError(400) for a bad ``X-Priority``, for a prompt that cannot fit any worker's per-slot
+    context (field case 4: refused before anything is forwarded) and for more choices than any
+    worker has slots."""
     prio = request.get("key_priority", default_priority)
     hdr = request.headers.get("X-Priority")
     if hdr is not None and "key_priority" not in request:
@@ -88,9 +89,10 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
         ticket.prompt_tokens, ticket.est_tokens = size.prompt_tokens, size.est_tokens
         ticket.prefill_tokens = size.prefill_tokens
         ticket.prefix_key, ticket.prefix_chain = size.prefix_key, size.prefix_chain
+        ticket.slots = size.slots
         try:
             gw.dispatcher.check_fits(ticket)
-        except TooLarge as e:
+        except (TooLarge, TooManySlots) as e:
             raise ApiError(400, str(e)) from None
     return ticket
 

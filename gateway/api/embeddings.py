@@ -8,7 +8,9 @@ results are gathered in input order. Vectors are L2-normalised again here and, w
 Too-long inputs: llama-server embeds a whole input in one micro-batch, so the limit is
 min(per-slot context, ``-ub`` (default 512)). With ``truncate`` (default true) the input is
 tokenized and cut to the limit; with ``truncate:false`` → 400 ``the input length exceeds the
-context length`` (Ollama text). Workers need ``embeddings: true`` and a pooling type other than
+context length`` (Ollama text). That ``/tokenize`` is not asked when admission would refuse the
+input at once (full queue, no worker can serve it): the request gets that 503 without waiting
+for the side call. Workers need ``embeddings: true`` and a pooling type other than
 ``none`` (the demo model needs ``args: [--pooling, mean]``).
 
 Empty strings in a batch: sent to the worker like any input, as Ollama's ``EmbedHandler`` does
@@ -37,7 +39,7 @@ from gateway.api.ollama import resolve_model
 from gateway.api.ollama_mapping import parse_keep_alive
 from gateway.inventory import ModelEntry
 from gateway.upstream import UpstreamError, read_all
-from gateway.worker_calls import tokenize
+from gateway.worker_calls import refuse_early, tokenize
 
 TOO_LONG = "the input length exceeds the context length"
 _UBATCH_DEFAULT = 512  # llama-server -ub default (common.h n_ubatch)
@@ -83,6 +85,7 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
     payload = text
     # A byte-level token is at least one byte, so only texts this long can exceed the limit.
     if isinstance(text, str) and len(text.encode()) + 2 > limit:
+        refuse_early(gw, entry.name)
         toks = await tokenize(gw, entry.name, text)
         if len(toks) + 1 > limit:  # +1: the worker may add BOS
             if not truncate:

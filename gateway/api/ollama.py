@@ -474,8 +474,9 @@ async def tags(request: web.Request) -> web.Response:
 async def ps(request: web.Request) -> web.Response:
     """Every served model (the gateway keeps them loaded), sorted by ``expires_at`` descending.
 
-    ``expires_at`` = last request + its ``keep_alive`` (Ollama's unload time; the gateway does
-    not unload), far future for a negative keep_alive. ``size_vram`` is 0 for CPU workers, else
+    ``expires_at``: never, as Ollama shows a model kept forever (``ModelEntry.expires_at``: about
+    292 years after the last request), since the gateway does not unload whatever ``keep_alive``
+    says; the most recently used model comes first. ``size_vram`` is 0 for CPU workers, else
     the file size per GPU worker. ``context_length`` is the per-slot context read from ``/slots``.
     """
     gw = _gw(request)

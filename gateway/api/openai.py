@@ -235,10 +235,13 @@ async def models(request: web.Request) -> web.Response:
 
 async def model(request: web.Request) -> web.Response:
     """``GET /v1/models/{id}``: a model that is not served and one the API key may not use both
-    get OpenAI's 404 ``model_not_found``, as the inference routes answer them."""
+    get OpenAI's 404 ``model_not_found``, as the inference routes answer them. An id that names a
+    configured model is its metrics ``model`` label, refused or not (gateway.metrics)."""
     gw = _gw(request)
     name = request.match_info["model"]
     e = gw.inventory.resolve(name)
+    if e is not None:
+        request["model"] = e.name
     if e is None or e not in visible_entries(request):
         raise model_not_found_v1(name)
     return web.json_response(_model_obj(e), dumps=lambda o: orjson.dumps(o).decode())

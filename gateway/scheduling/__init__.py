@@ -5,7 +5,7 @@ Nothing here touches asyncio, sockets or the wall clock. Time comes from an inje
 the simulator drive the same objects.
 """
 
-from gateway.scheduling.dispatcher import Dispatcher, QueueFull, TooLarge
+from gateway.scheduling.dispatcher import Dispatcher, QueueFull, TooLarge, TooManySlots
 from gateway.scheduling.lease import SlotLease
 from gateway.scheduling.refusals import (AllDrained, AllFailed, ModelRemoved, NoWorkers, ShuttingDown,
                                         Unavailable)
@@ -14,5 +14,5 @@ from gateway.scheduling.scorer import POLICIES, make_scorer
 from gateway.scheduling.worker_view import WorkerLoad, WorkerView
 
 __all__ = ["POLICIES", "AllDrained", "AllFailed", "Dispatcher", "ModelRemoved", "NoWorkers", "QueueFull",
-           "ShuttingDown", "SlotLease", "Ticket", "TooLarge", "Unavailable", "WorkerLoad", "WorkerView",
-           "make_scorer"]
+           "ShuttingDown", "SlotLease", "Ticket", "TooLarge", "TooManySlots", "Unavailable",
+           "WorkerLoad", "WorkerView", "make_scorer"]

@@ -5,8 +5,9 @@ a worker becoming ready) returns the dispatches it caused as ``(ticket, lease)``
 the caller (live gateway or simulator) delivers them.
 
 Invariants (each has a test):
-- a worker never holds more leases than it has slots, and never gets one unless ready
-  and not draining;
+- a worker never holds more leased slots than it has (a ticket of ``slots`` > 1, a ``/v1``
+  request with ``n`` choices, goes only to a worker with that many free slots and holds them
+  all), and never gets a lease unless ready and not draining;
 - the queue never holds more than ``max_pending`` tickets; overflow raises ``QueueFull`` at once;
 - a ticket is dispatched at most once; cancel/expire remove it from the queue;
 - a ticket whose model no worker can take without an operator or the supervisor's next try
@@ -15,12 +16,13 @@ Invariants (each has a test):
   of the queue; while any worker of the model is ready, starting or restarting they wait;
 - with a KV-aware scorer, a worker is only chosen when the ticket fits its KV headroom
   (``WorkerView.fits``); a ticket whose prompt fits no worker's slot is refused up front
-  (``check_fits`` raises ``TooLarge``).
+  (``check_fits`` raises ``TooLarge``), and so is one that needs more slots than any worker of
+  its model has (``TooManySlots``).
 
 Queue order is by effective priority (priority + aging, ``AdmissionQueue``). A queued ticket
-that is blocked only by KV headroom is passed by smaller ones until it has waited
-``aging_s``; from then on nothing else of its model is dispatched before it (no starvation
-of large requests).
+that is blocked only by KV headroom or by too few free slots on any one worker (a multi-slot
+ticket) is passed by smaller ones until it has waited ``aging_s``; from then on nothing else of
+its model is dispatched before it (no starvation of large requests).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from gateway.scheduling.refusals import AllDrained, AllFailed, ModelRemoved, NoW
 from gateway.scheduling.scorer import LeastLoaded, Scorer
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.worker_view import WorkerLoad, WorkerView
-from gateway.texts import context_overflow
+from gateway.texts import context_overflow, too_many_choices
 
 Dispatch = tuple[Ticket, SlotLease]
 
@@ -57,6 +59,17 @@ class TooLarge(Exception):
     def __init__(self, prompt_tokens: int, n_ctx: int):
         super().__init__(context_overflow(prompt_tokens, n_ctx, approx=True))
         self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
+
+
+class TooManySlots(Exception):
+    """The ticket needs more slots at once (``Ticket.slots``: a ``/v1`` request's ``n``) than any
+    worker of its model has. Attributes: slots (asked), max_slots (largest worker's ``slots``).
+    Answered 400 before anything is forwarded, as llama-server refuses ``n`` above its ``-np``
+    (``n_cmpl`` hard limit 1..n_parallel, tools/server/server-schema.cpp)."""
+
+    def __init__(self, slots: int, max_slots: int):
+        super().__init__(too_many_choices(slots, max_slots))
+        self.slots, self.max_slots = slots, max_slots
 
 
 class Dispatcher:
@@ -191,7 +204,7 @@ class Dispatcher:
     def _candidates(self, ticket: Ticket) -> list[WorkerView]:
         kv = getattr(self.scorer, "kv_aware", False)
         cands = [w for w in self.workers.values()
-                 if w.accepts(ticket.model) and (not kv or w.fits(ticket))]
+                 if w.accepts(ticket.model, ticket.slots) and (not kv or w.fits(ticket))]
         if ticket.avoid:  # a retry: another worker if one can take it now, else the same
             return [w for w in cands if w.id not in ticket.avoid] or cands
         return cands
@@ -200,12 +213,18 @@ class Dispatcher:
         fleet = [w for w in self.workers.values()
                  if w.model == ticket.model and w.ready and not w.draining]
         worker = self.scorer.pick(candidates, ticket, now, fleet)
-        assert worker.free > 0, "scorer picked a worker without a free slot"
+        assert worker.free >= ticket.slots, "scorer picked a worker without enough free slots"
         return SlotLease(worker, ticket, now, self._on_release)
 
     def check_fits(self, ticket: Ticket) -> None:
-        """Raise ``TooLarge`` when the ticket's prompt estimate cannot fit the per-slot context
-        of any worker of its model (workers with unknown context never refuse)."""
+        """Raise ``TooManySlots`` when the ticket needs more slots than any worker of its model
+        has, and ``TooLarge`` when its prompt estimate cannot fit the per-slot context of any
+        worker of its model (workers with unknown context never refuse)."""
+        if ticket.slots > 1:
+            most = max((w.slots for w in self.workers.values() if w.model == ticket.model),
+                       default=0)
+            if most and ticket.slots > most:
+                raise TooManySlots(ticket.slots, most)
         if ticket.prompt_tokens <= 0:
             return
         ctxs = [w.n_ctx for w in self.workers.values() if w.model == ticket.model]
@@ -306,7 +325,7 @@ class Dispatcher:
         return gone
 
     def _on_release(self, lease: SlotLease) -> list[Dispatch]:
-        lease.worker.note_release(self.clock())
+        lease.worker.note_release(self.clock(), lease.slots)
         return self.pump()
 
     def pump(self) -> list[Dispatch]:
@@ -323,7 +342,7 @@ class Dispatcher:
             if t.model not in free_models:
                 continue
             cands = self._candidates(t)
-            if not cands:  # free slots, but no KV headroom for this one
+            if not cands:  # free slots, but not enough on one worker or no KV headroom for this one
                 if now - t.enqueued_at >= self.queue.aging_s:
                     blocked.add(t.model)  # waited long enough: nothing passes it
                     free_models.discard(t.model)

@@ -1,4 +1,5 @@
-"""SlotLease: one slot of one worker, held by one request, released exactly once."""
+"""SlotLease: the slots of one worker held by one request (``ticket.slots``, usually one),
+released exactly once."""
 
 from __future__ import annotations
 
@@ -10,19 +11,22 @@ if TYPE_CHECKING:
 
 
 class SlotLease:
-    """A slot taken at dispatch, given back on ``release()`` or on leaving a ``with`` block.
+    """Slots taken at dispatch (``slots``: the ticket's count), given back together on
+    ``release()`` or on leaving a ``with`` block.
 
     Release is idempotent: the second call does nothing, so a ``finally`` and an explicit
     release can both run. The ``on_release`` callback (the dispatcher's) runs once.
     """
 
-    __slots__ = ("worker", "ticket", "granted_at", "_on_release", "_released", "prefilling")
+    __slots__ = ("worker", "ticket", "granted_at", "slots", "_on_release", "_released",
+                 "prefilling")
 
     def __init__(self, worker: "WorkerView", ticket: "Ticket", granted_at: float,
                  on_release: Callable[["SlotLease"], object]):
         self.worker = worker
         self.ticket = ticket
         self.granted_at = granted_at
+        self.slots = max(1, ticket.slots)
         self._on_release = on_release
         self._released = False
         self.prefilling = True  # until the worker's first token (``first_token``)
@@ -38,7 +42,7 @@ class SlotLease:
         self.prefilling = False
 
     def release(self):
-        """Give the slot back. Returns what the dispatcher's callback returns (new dispatches)."""
+        """Give the slots back. Returns what the dispatcher's callback returns (new dispatches)."""
         if self._released:
             return []
         self._released = True

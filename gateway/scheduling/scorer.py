@@ -118,10 +118,11 @@ def prefix_keys(ticket: Ticket) -> tuple[tuple[int, int], ...]:
 class LeastLoaded:
     """Default policy. Cost of placing the ticket on worker ``w`` (lower is better)::
 
-        (occupancy(w) + 1) / (slots × speed)  +  kv_weight × kv_fill_after
+        (occupancy(w) + ticket.slots) / (slots × speed)  +  kv_weight × kv_fill_after
             +  prefill_weight × prefill_backlog / (n_ctx × speed)
 
-    - occupancy / slots: fraction of slots in use (1-1-1-1 before 2-2-2-2 on equal workers);
+    - occupancy / slots: fraction of slots in use after placing the ticket (1-1-1-1 before
+      2-2-2-2 on equal workers; a ticket of ``n`` choices takes ``n``);
       dividing by ``speed`` (measured relative throughput) sends more to faster GPUs;
     - kv_fill_after: fraction of the worker's KV cache in use after adding the ticket's estimate;
     - prefill_backlog: estimated prompt tokens of the worker's requests that have not had their
@@ -150,9 +151,10 @@ class LeastLoaded:
         self.index = PrefixIndex() if affinity_bound is not None else None
 
     def cost(self, w: WorkerView, ticket: Ticket) -> float:
-        c = (occupancy(w) + 1) / (w.slots * (w.speed if w.speed > 0 else 1.0))
+        c = (occupancy(w) + ticket.slots) / (w.slots * (w.speed if w.speed > 0 else 1.0))
         if w.kv_capacity:
-            c += self.kv_weight * min(1.0, (w.kv_used + ticket.est_tokens) / w.kv_capacity)
+            need = ticket.est_tokens * ticket.slots
+            c += self.kv_weight * min(1.0, (w.kv_used + need) / w.kv_capacity)
         if w.n_ctx and self.prefill_weight:
             c += self.prefill_weight * w.prefill_backlog / (w.n_ctx * (w.speed if w.speed > 0 else 1.0))
         return c
@@ -204,7 +206,8 @@ class LeastLoaded:
 
 
 class LeastConnections:
-    """Fewest live requests (leases), then fleet order. Ignores slots, KV and speed."""
+    """Fewest busy slots (live requests; one of ``n`` choices counts ``n``), then fleet order.
+    Ignores slot counts, KV and speed."""
 
     kv_aware = False
 

@@ -31,6 +31,10 @@ class Ticket:
         seq: admission order, for FIFO within a priority class.
         avoid: ids of workers this request already failed on before any response byte; a
             retry goes to another worker when one can take it now.
+        slots: slots the request occupies on its one worker (>= 1): a ``/v1`` request with
+            ``n`` choices runs ``n`` tasks side by side there (llama-server ``n_cmpl``, alias
+            ``n``), so it is dispatched only to a worker with that many free slots and holds
+            them all until it ends (``gateway.sizing.choices``).
     """
 
     request_id: str
@@ -45,6 +49,7 @@ class Ticket:
     enqueued_at: float = 0.0
     seq: int = field(default_factory=lambda: next(_seq))
     avoid: frozenset[str] = frozenset()
+    slots: int = 1
 
     def deadline(self) -> float | None:
         """Clock seconds after which a still-queued ticket is expired, or None."""

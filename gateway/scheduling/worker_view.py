@@ -34,8 +34,9 @@ class WorkerLoad:
 class WorkerView:
     """Scheduling state of one llama-server worker.
 
-    ``busy`` is derived from the set of live leases, so it can never drift from what was
-    actually handed out: it is never negative, and dispatch never lets it exceed ``slots``.
+    ``busy`` is derived from the set of live leases (each holds ``lease.slots``: one, or ``n``
+    for a ``/v1`` request with ``n`` choices), so it can never drift from what was actually
+    handed out: it is never negative, and dispatch never lets it exceed ``slots``.
     Polled telemetry (``load``) only *corrects scores*: ``phantom`` counts slots the worker
     reports busy that the gateway holds no lease for (e.g. a cancelled request still winding
     down); it never changes ``free``.
@@ -77,14 +78,14 @@ class WorkerView:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     releases: deque = field(default_factory=lambda: deque(maxlen=256))  # clock s of releases
 
-    def note_release(self, at: float) -> None:
-        """A lease of this worker ended at clock ``at`` (seconds)."""
-        self.releases.append(at)
+    def note_release(self, at: float, slots: int = 1) -> None:
+        """A lease of this worker holding ``slots`` slots ended at clock ``at`` (seconds)."""
+        self.releases.extend([at] * slots)
 
     @property
     def busy(self) -> int:
         """Slots held by live leases (0..slots)."""
-        return len(self.leases)
+        return sum(l.slots for l in self.leases)
 
     @property
     def in_rotation(self) -> bool:
@@ -97,7 +98,7 @@ class WorkerView:
         """Slots free for a new lease now (0 when not ``in_rotation``)."""
         if not self.in_rotation:
             return 0
-        return max(0, self.slots - len(self.leases))
+        return max(0, self.slots - self.busy)
 
     @property
     def phantom(self) -> int:
@@ -112,7 +113,8 @@ class WorkerView:
             if t < at:
                 break
             since += 1
-        return max(0, min(self.slots - self.busy, self.load.processing - self.busy - since))
+        busy = self.busy
+        return max(0, min(self.slots - busy, self.load.processing - busy - since))
 
     @property
     def prefill_backlog(self) -> int:
@@ -122,9 +124,10 @@ class WorkerView:
 
     @property
     def kv_reserved(self) -> int:
-        """Tokens the live leases may occupy (gateway estimate, each capped at ``n_ctx``)."""
+        """Tokens the live leases may occupy (gateway estimate, each slot's capped at ``n_ctx``;
+        a lease of ``n`` slots holds its estimate in each)."""
         cap = self.n_ctx or None
-        return sum(min(l.ticket.est_tokens, cap) if cap else l.ticket.est_tokens
+        return sum((min(l.ticket.est_tokens, cap) if cap else l.ticket.est_tokens) * l.slots
                    for l in self.leases)
 
     @property
@@ -143,8 +146,9 @@ class WorkerView:
         """Whether the ticket's size estimate fits this worker's KV headroom now.
 
         Per slot: the prompt must fit ``n_ctx`` (generation past it stops with ``length``).
-        Whole worker: ``min(est_tokens, n_ctx)`` must fit ``kv_free`` (matters with
-        ``--kv-unified``, where slots share one cache; with split KV a free slot always has
+        Whole worker: ``min(est_tokens, n_ctx)`` times the ticket's ``slots``, but never more
+        than the whole cache (an idle worker always takes it), must fit ``kv_free`` (matters
+        with ``--kv-unified``, where slots share one cache; with split KV a free slot always has
         its own ``n_ctx``)."""
         if self.n_ctx and ticket.prompt_tokens >= self.n_ctx:
             return False
@@ -152,8 +156,9 @@ class WorkerView:
         if kf is None:
             return True
         need = min(ticket.est_tokens, self.n_ctx) if self.n_ctx else ticket.est_tokens
-        return need <= kf
+        return min(need * ticket.slots, self.kv_capacity) <= kf
 
-    def accepts(self, model: str) -> bool:
-        """Whether a request for ``model`` could be leased a slot here right now."""
-        return self.model == model and self.free > 0
+    def accepts(self, model: str, slots: int = 1) -> bool:
+        """Whether a request for ``model`` that needs ``slots`` slots could be leased them here
+        right now."""
+        return self.model == model and self.free >= slots

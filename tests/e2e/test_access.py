@@ -114,6 +114,8 @@ def test_v1_model_the_key_may_not_use_is_openai_model_not_found(secured):
                                                   messages=[{"role": "user", "content": "x"}]),
              lambda m: oc.completions.create(model=m, prompt="x", max_tokens=2),
              lambda m: oc.embeddings.create(model=m, input="x")]
+    endpoint = "/v1/models/{model}"
+    before = {m: requests_total(secured.url, endpoint, m, 404) for m in ("other:latest", "")}
     for name in ("other", "other:latest", "nope"):
         for call in calls:
             with pytest.raises(openai.NotFoundError) as e:
@@ -122,6 +124,9 @@ def test_v1_model_the_key_may_not_use_is_openai_model_not_found(secured):
             assert e.value.body == {
                 "message": f"The model `{name}` does not exist or you do not have access to it.",
                 "type": "invalid_request_error", "param": None, "code": "model_not_found"}
+    # counted under the configured model the id names; an id that names none stays unlabelled
+    assert requests_total(secured.url, endpoint, "other:latest", 404) == before["other:latest"] + 2
+    assert requests_total(secured.url, endpoint, "", 404) == before[""] + 1
     # a key that may use it gets it
     assert openai.OpenAI(base_url=secured.url + "/v1", api_key=ADMIN).models.retrieve("other").id == "other:latest"
     # Ollama routes keep Ollama's shape: 403 for a forbidden model, 404 for an unknown one

@@ -125,17 +125,23 @@ def test_case24_list_ps_show_typed(gw, client):
     assert client.show("FRIENDLY").details.family == "llama"  # alias, case-insensitive
 
 
-def test_keep_alive_reflected_in_ps(client):
+def test_ps_expires_at_never_passes_for_a_model_it_lists(client):
+    """The gateway never unloads, so ``/api/ps`` never shows an ``expires_at`` in the past: every
+    model it lists expires as Ollama shows one kept forever (``keep_alive`` < 0: Go's largest
+    duration, about 292 years, after the last request), whatever ``keep_alive`` said. An
+    invalid ``keep_alive`` is still 400."""
     def expiry(name):
         return next(m.expires_at for m in client.ps().models if m.model == name)
 
-    client.generate(model="demo", prompt="x", keep_alive="10m", options={"num_predict": 1})
-    exp = expiry("demo:latest")
-    assert abs((exp - datetime.now(timezone.utc)) - timedelta(minutes=10)) < timedelta(seconds=30)
-    client.generate(model="demo", prompt="x", keep_alive=-1, options={"num_predict": 1})
-    assert expiry("demo:latest").year > 2200
-    client.generate(model="demo", prompt="x", keep_alive=90, options={"num_predict": 1})
-    assert abs((expiry("demo:latest") - datetime.now(timezone.utc)) - timedelta(seconds=90)) < timedelta(seconds=30)
+    forever = timedelta(microseconds=(2 ** 63 - 1) // 1000)
+    for keep_alive in (1, "10m", -1, 0.5):
+        before = datetime.now(timezone.utc)
+        client.generate(model="demo", prompt="x", keep_alive=keep_alive, options={"num_predict": 1})
+        after = datetime.now(timezone.utc)
+        time.sleep(1.5)  # past what keep_alive 1 and 0.5 would allow
+        exp = expiry("demo:latest")
+        assert before + forever - timedelta(seconds=1) <= exp <= after + forever, (keep_alive, exp)
+    assert client.ps().models[0].model == "demo:latest"  # the most recently used first
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="demo", prompt="x", keep_alive="5 minutes")
     assert e.value.status_code == 400 and "keep_alive" in e.value.error

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import base_config, free_port, start_gateway
+from tests.e2e.compat_helpers import worker_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -332,3 +333,48 @@ def test_kv_headroom_routing_unified_cache(gateway_factory):
     assert [r.status_code for r in rs] == [200] * 4, [r.text[:200] for r in rs]
     assert all(r.json()["eval_count"] == 400 for r in rs)
     assert 1 <= peak[0] <= 2
+
+
+def test_n_choices_take_n_slots_and_a_request_beyond_waits_in_the_gateway(gateway_factory):
+    """``/v1`` with ``n = 2`` runs two tasks side by side on its worker (llama-server ``n_cmpl``):
+    the gateway counts both slots, so the next request waits in the gateway's queue instead of
+    being sent to the full worker, where llama-server would defer it; ``n`` above every worker's
+    slots is a 400 in OpenAI's shape before anything is forwarded."""
+    cfg = _cfg(queue={"max_pending": 2})
+    cfg["models"][0].update(slots=2, cpu=1)
+    gw = gateway_factory(cfg)
+    worker = gw.workers()[0]
+    body = {"model": "demo", "prompt": "tell me a long story", "max_tokens": 3500, "n": 2,
+            "stream": True}
+    client = httpx.Client(timeout=60)
+    with client.stream("POST", gw.url + "/v1/completions", json=body) as two:
+        assert two.status_code == 200
+        lines = two.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert wait_until(lambda: sum(1 for s in gw.slots(worker) if s.get("is_processing")) == 2)
+        assert gateway_state(gw)["workers"][0]["busy"] == 2  # both slots, one request
+        with cf.ThreadPoolExecutor(1) as ex:
+            waiting = ex.submit(Stream, gw)  # n = 1: no slot is free (headers come with a slot)
+            try:
+                assert wait_until(lambda: gateway_state(gw)["queue"]["depth"] == 1, 2.0), \
+                    gateway_state(gw)
+                for _ in range(5):  # and the worker never holds it deferred
+                    st = gateway_state(gw)
+                    assert st["queue"]["depth"] == 1 and st["workers"][0]["busy"] == 2
+                    assert worker_metrics(worker)["llamacpp:requests_deferred"] == 0
+                    time.sleep(0.1)
+            finally:
+                client.close()  # the n = 2 client leaves: its two slots are freed
+            waiting = waiting.result(timeout=30)
+    try:
+        assert waiting.first()  # the queued request got a slot
+        assert gateway_state(gw)["queue"]["depth"] == 0
+    finally:
+        waiting.kill()
+    too_many = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 3,
+        "max_tokens": 4})
+    assert too_many.status_code == 400, too_many.text
+    err = too_many.json()["error"]
+    assert err["type"] == "invalid_request_error" and "at most 2" in err["message"]
+    assert worker_metrics(worker).get("llamacpp:requests_deferred", 0) == 0

@@ -174,3 +174,87 @@ def test_overflow_generate_is_refused_at_once_without_a_side_call(gateway_factor
     time.sleep(0.3)  # the log is written by the gateway process
     assert "/apply-template" in _side_calls(gw.log_path, "overflow-control")
     assert _side_calls(gw.log_path, "overflow-probe") == []
+
+
+def test_a_full_queue_refuses_long_prompts_and_embed_truncation_before_any_side_call(
+        gateway_factory):
+    """A prompt longer than the slot context in bytes (``/api/generate``, ``/api/chat``, ``/v1``)
+    is counted by a worker's ``/tokenize``, and so is an ``/api/embed`` input to truncate; with
+    the queue full they get admission's 503 at once instead. The workers are frozen (SIGSTOP), so
+    a side call could only time out (``liveness_timeout_s`` per try): a fast 503 and no side call
+    in the log show none was made. A control with room in the queue shows the side call is
+    made and logged with its request id."""
+    cfg = base_config(free_port(), models=[model("demo", cpu=1, slots=1, context=256),
+                                           model("embed", embeddings=True, cpu=1, slots=1,
+                                                 context=256)],
+                      queue={"max_pending": 1, "retry_after_s": 3, "timeout_s": 20},
+                      llama_server={"threads": 1, "liveness_interval_s": 120,
+                                    "liveness_timeout_s": 5},
+                      log={"level": "debug", "format": "json"})
+    gw = gateway_factory(cfg)
+    workers = gw.workers()
+    # 405 bytes: more than 256, so only a worker's /tokenize can tell whether it fits 256 tokens
+    # (it does not: 256), and less than the scheduler's estimate refuses up front (about 620
+    # with the demo tokenizer's 1.93 bytes per token).
+    long = "lorem ipsum dolor sit amet " * 15
+    probes = {
+        "probe-generate": ("/api/generate", {"model": "demo", "prompt": long, "raw": True,
+                                             "stream": False}),
+        "probe-chat": ("/api/chat", {"model": "demo", "stream": False,
+                                     "messages": [{"role": "user", "content": long}]}),
+        "probe-v1": ("/v1/chat/completions", {"model": "demo",
+                                              "messages": [{"role": "user", "content": long}]}),
+        "probe-embed": ("/api/embed", {"model": "embed", "input": long}),
+    }
+    short = {"model": "demo", "prompt": "hi", "raw": True, "stream": False,
+             "options": {"num_predict": 4}}
+    # Once before the freeze: the gateway asks each model's /props once (capabilities).
+    assert httpx.post(gw.url + "/api/generate", json=short, timeout=60).status_code == 200
+    assert httpx.post(gw.url + "/api/embed", json={"model": "embed", "input": "hi"},
+                      timeout=60).status_code == 200
+    answers = {}
+    with cf.ThreadPoolExecutor(3) as ex:
+        for w in workers:
+            os.kill(w["pid"], signal.SIGSTOP)
+        try:
+            fillers = [ex.submit(httpx.post, gw.url + "/api/generate", json=short, timeout=120),
+                       ex.submit(httpx.post, gw.url + "/api/embed", timeout=120,
+                                 json={"model": "embed", "input": "hi"})]
+            end = time.monotonic() + 10
+            while sum(w["busy"] for w in gw.workers()) < 2:  # both slots leased (frozen)
+                assert time.monotonic() < end, gw.status()
+                time.sleep(0.05)
+            fillers.append(ex.submit(httpx.post, gw.url + "/api/generate", json=short,
+                                     timeout=120))
+            while gw.status()["queue"]["depth"] < 1:  # the queue (1) is full
+                assert time.monotonic() < end, gw.status()
+                time.sleep(0.05)
+            for rid, (path, body) in probes.items():
+                t0 = time.monotonic()
+                r = httpx.post(gw.url + path, json=body, timeout=60, headers={"X-Request-ID": rid})
+                answers[rid] = (r, time.monotonic() - t0)
+            full = gw.status()["queue"]["depth"] == 1  # still full after the probes
+        finally:
+            for w in workers:
+                os.kill(w["pid"], signal.SIGCONT)
+        assert [f.result().status_code for f in fillers] == [200] * 3
+    assert full, {rid: (r.status_code, round(took, 3)) for rid, (r, took) in answers.items()}
+    for rid, (r, took) in answers.items():
+        assert r.status_code == 503 and r.headers["Retry-After"] == "3", (rid, r.text)
+        assert took < 0.5, (rid, took)
+        if rid == "probe-v1":
+            assert r.json()["error"]["message"] == BUSY_MESSAGE
+        else:
+            assert r.json() == {"error": BUSY_MESSAGE}
+    control = httpx.post(gw.url + "/api/generate", json=probes["probe-generate"][1], timeout=60,
+                         headers={"X-Request-ID": "control-generate"})
+    err = control.json()["error"]  # the exact count (no "about"): /tokenize answered
+    assert control.status_code == 400 and "context length" in err and "about" not in err, err
+    embed = httpx.post(gw.url + "/api/embed", json=probes["probe-embed"][1], timeout=60,
+                       headers={"X-Request-ID": "control-embed"})
+    assert embed.status_code == 200 and len(embed.json()["embeddings"]) == 1
+    time.sleep(0.3)  # the log is written by the gateway process
+    assert _side_calls(gw.log_path, "control-generate") == ["/tokenize"]
+    assert _side_calls(gw.log_path, "control-embed") == ["/tokenize"]
+    for rid in probes:
+        assert _side_calls(gw.log_path, rid) == [], rid

@@ -3,7 +3,7 @@
 import pytest
 
 from gateway.scheduling import (AllDrained, AllFailed, Dispatcher, ModelRemoved, NoWorkers, QueueFull,
-                                Ticket, Unavailable)
+                                Ticket, TooManySlots, Unavailable)
 
 
 class FakeClock:
@@ -320,3 +320,46 @@ def test_a_model_without_any_planned_worker_is_refused_503_without_retry_after()
 def test_refusals_are_unavailable():
     assert issubclass(AllDrained, Unavailable) and issubclass(AllFailed, Unavailable)
     assert issubclass(ModelRemoved, Unavailable)
+
+
+def test_a_multi_slot_ticket_takes_its_slots_on_one_worker_with_that_many_free():
+    """``/v1`` with ``n`` choices: ``n`` slots of one worker, held and released together."""
+    d, _ = mk(n_workers=2, slots=2, max_pending=4)
+    one = d.submit(t(1))  # w0 now has 1 free slot, w1 has 2
+    big = d.submit(t(2, slots=2))
+    assert big is not None and big.worker is not one.worker and big.slots == 2
+    assert big.worker.busy == 2 and big.worker.free == 0
+    small = d.submit(t(3))  # fits the last free slot (w0), not the full worker
+    assert small.worker is one.worker
+    waiting = t(4, slots=2)
+    assert d.submit(waiting) is None  # 1 + 1 slot free on two workers is not 2 on one
+    assert one.release() == []  # w0 has 1 free slot, still not enough
+    (tk, lease), = big.release()  # w1: 2 free at once
+    assert tk is waiting and lease.worker.busy == 2 and lease.slots == 2
+    assert d.workers["w0"].busy == 1
+
+
+def test_a_multi_slot_ticket_counts_its_kv_in_every_slot():
+    clock = FakeClock()
+    d = Dispatcher(clock, max_pending=4)
+    d.add_worker("w0", "m", 4, n_ctx=1000, kv_capacity=2000)  # unified KV: 4 slots share 2000
+    d.set_ready("w0", True)
+    first = d.submit(Ticket("a", "m", est_tokens=600, slots=2))
+    assert first is not None and d.workers["w0"].kv_reserved == 1200
+    assert d.submit(Ticket("b", "m", est_tokens=600, slots=2)) is None  # 1200 more > 800 free
+    assert d.submit(Ticket("c", "m", est_tokens=400)) is None  # waits behind b (same model)
+    out = first.release()
+    assert [tk.request_id for tk, _ in out] == ["b", "c"]  # 1200 + 400 of 2000, 3 of 4 slots
+    assert d.workers["w0"].busy == 3 and d.workers["w0"].kv_reserved == 1600
+
+
+def test_more_slots_than_any_worker_has_is_refused_up_front():
+    d, _ = mk(n_workers=2, slots=2)
+    d.add_worker("big", "demo:latest", 4)
+    with pytest.raises(TooManySlots) as e:
+        d.check_fits(t(1, slots=5))
+    assert (e.value.slots, e.value.max_slots) == (5, 4) and "at most 4" in str(e.value)
+    with pytest.raises(TooManySlots):
+        d.submit(t(2, slots=5))
+    d.check_fits(t(3, slots=4))  # the 4-slot worker can take it (once it is ready)
+    assert len(d.queue) == 0

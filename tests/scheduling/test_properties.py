@@ -1,21 +1,26 @@
 """Property tests of the dispatcher (hypothesis): random interleavings of submit, release,
 cancel, expire, polled load, readiness changes, operator drains and crash-loop failures keep
-the invariants."""
+the invariants, with tickets of one slot and multi-slot tickets (a ``/v1`` request with ``n``
+choices holds ``n`` slots of one worker)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.scheduling import Dispatcher, QueueFull, Ticket, Unavailable, WorkerLoad, make_scorer
+from gateway.scheduling import (Dispatcher, QueueFull, Ticket, TooManySlots, Unavailable, WorkerLoad,
+                                make_scorer)
 from gateway.scheduling.scorer import POLICIES
 
+# Slots a submitted ticket takes: mostly one, sometimes n = 2..4 choices (4 exceeds every worker).
+ticket_slots = st.sampled_from([1, 1, 1, 2, 3, 4])
 ops = st.lists(st.tuples(st.sampled_from(["submit", "release", "cancel", "tick", "load",
                                           "down", "up", "fail", "unfail", "hold", "unhold"]),
-                         st.integers(0, 1000), st.integers(0, 3)), max_size=120)
+                         st.integers(0, 1000), st.integers(0, 3), ticket_slots), max_size=120)
 # Fleet trouble often: every worker failed or held while tickets wait (refusals happen).
 trouble_ops = st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "release", "tick",
                                                   "down", "up", "fail", "fail", "unfail",
                                                   "hold", "unhold"]),
-                                 st.integers(0, 1000), st.integers(0, 1)), max_size=120)
+                                 st.integers(0, 1000), st.integers(0, 1), ticket_slots),
+                       max_size=120)
 
 
 class Clock:
@@ -40,7 +45,8 @@ def test_invariants_with_failed_and_drained_fleets(ops, policy, slots, max_pendi
     """Crash-loop failures and operator drains of the whole fleet while tickets wait: a ticket
     is refused only when no worker can take it, and then none is left waiting."""
     outcome = run_invariants(ops, policy, slots, max_pending, False)
-    assert set(outcome.values()) <= {"dispatched", "rejected", "cancelled", "expired", "refused"}
+    assert set(outcome.values()) <= {"dispatched", "rejected", "cancelled", "expired", "refused",
+                                     "too_many"}
 
 
 def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
@@ -59,24 +65,29 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
             assert tk in queued, "dispatched a ticket that was not queued"
             assert tk.seq not in seen_dispatch, "dispatched twice"
             assert not lease.worker.failed and not lease.worker.held, "leased a failed/held worker"
+            assert lease.slots == tk.slots
             seen_dispatch.add(tk.seq)
             queued.discard(tk)
             outcome[tk.seq] = "dispatched"
             live.append(lease)
 
     n = 0
-    for op, a, b in ops:
+    for op, a, b, k in ops:
         if op == "submit":
             n += 1
             shared = a % 3 != 0  # most tickets share a prefix, so affinity and its index run
             tk = Ticket(request_id=str(n), model="m", priority=b, est_tokens=a % 450,
                         queue_timeout_s=5.0 if a % 2 else None,
                         prefix_key=a % 5 if shared else None,
-                        prefix_chain=((a % 5, 100), (a % 11, 100 + a % 300)) if shared else ())
+                        prefix_chain=((a % 5, 100), (a % 11, 100 + a % 300)) if shared else (),
+                        slots=k)
             try:
                 lease = d.submit(tk)
             except QueueFull:
                 outcome[tk.seq] = "rejected"
+            except TooManySlots:
+                assert k > max(slots), "refused a ticket that some worker has the slots for"
+                outcome[tk.seq] = "too_many"
             except Unavailable:
                 assert d.refusal("m") is not None, "refused while a worker could take it"
                 outcome[tk.seq] = "refused"
@@ -85,6 +96,7 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
                     queued.add(tk)
                 else:
                     assert not lease.worker.failed and not lease.worker.held
+                    assert lease.slots == k
                     seen_dispatch.add(tk.seq)
                     outcome[tk.seq] = "dispatched"
                     live.append(lease)
@@ -120,6 +132,7 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
         # invariants after every step
         for w in d.workers.values():
             assert 0 <= w.busy <= w.slots
+            assert w.busy == sum(l.slots for l in live if l.worker is w)
             assert 0 <= w.free <= w.slots
             assert 0 <= w.phantom <= w.slots
             if w.failed:
@@ -172,3 +185,33 @@ def test_aging_no_starvation(prios):
             served_at = clock.t
             break
     assert served_at is not None and served_at <= (max(prios + [1]) + 1) * 1.0 + 0.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(slots=st.integers(2, 4), data=st.data())
+def test_multi_slot_ticket_not_starved(slots, data):
+    """A ticket of ``k`` slots waiting on a worker whose slots are never all free at once (single
+    slot tickets keep arriving and overlapping) is passed by them only until it has waited
+    ``aging_s``; then the worker drains for it and it is served, and no lease ever oversubscribes
+    the worker."""
+    k = data.draw(st.integers(2, slots))
+    clock = Clock()
+    d = Dispatcher(clock, max_pending=1000, aging_s=1.0)
+    d.add_worker("w0", "m", slots)
+    d.set_ready("w0", True)
+    live = [d.submit(Ticket(f"s{i}", "m")) for i in range(slots)]
+    big = Ticket("big", "m", slots=k)
+    assert d.submit(big) is None
+    served_at = None
+    for i in range(200):
+        clock.t += 0.25
+        d.submit(Ticket(f"n{i}", "m"))
+        for tk, lease in live.pop(0).release():
+            assert d.workers["w0"].busy <= slots
+            if tk is big:
+                served_at = clock.t
+            else:
+                live.append(lease)
+        if served_at is not None:
+            break
+    assert served_at is not None and served_at <= 1.0 + 0.25 * (slots + 1)

@@ -1,0 +1,39 @@
+"""``llama-gateway check-config`` against real workers: the per-slot context it prints is the
+one the started llama-server reports in ``/slots`` (and ``/api/ps`` shows), including when the
+model's training context caps the configured one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, base_config, free_port
+from tests.e2e.compat_helpers import model
+from workers.demo_model import write_demo_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_check_config_context_matches_what_the_workers_report(tmp_path, gateway_factory):
+    gguf = write_demo_model(tmp_path / "short.gguf", n_ctx_train=512)  # trained for 512
+    cfg = base_config(free_port(), models=[
+        model("short", path=str(gguf), slots=2, context=1024),  # capped by llama-server
+        model("demo", slots=2, context=768)])                   # not capped (4096 trained)
+    gw = gateway_factory(cfg)
+    r = subprocess.run([sys.executable, "-m", "gateway", "check-config", "-c", str(gw.cfg_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    printed = {}
+    for line in r.stdout.splitlines():
+        wid, *fields = line.split("\t")
+        ctx = next(f for f in fields if f.startswith("context/slot="))
+        printed[wid] = int(ctx.split("=")[1].split()[0])
+    assert "(capped from 1024: the model's training context)" in r.stdout
+    for w in gw.workers():
+        n_ctx = {s["n_ctx"] for s in gw.slots(w)}
+        assert n_ctx == {printed[w["id"]]}, (w["id"], n_ctx, r.stdout)
+    ps = {m["name"]: m["context_length"] for m in httpx.get(gw.url + "/api/ps").json()["models"]}
+    assert ps == {"short:latest": 512, "demo:latest": 768}
