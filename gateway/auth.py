@@ -150,9 +150,29 @@ def _split_host(host_header: str) -> str:
     return h
 
 
+#: Go's ``netip.Addr.IsPrivate`` (RFC 1918 and RFC 4193), which Ollama's Host check uses;
+#: Python's ``is_private`` also takes link-local, documentation and other reserved ranges.
+_PRIVATE_NETS = tuple(ipaddress.ip_network(n) for n in
+                      ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"))
+
+
+def _own_addresses() -> frozenset[str]:
+    """The addresses of this machine's network interfaces (psutil), without IPv6 zones."""
+    try:
+        import psutil
+        return frozenset(a.address.split("%")[0].lower() for addrs in psutil.net_if_addrs().values()
+                         for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
+    except Exception:  # no psutil support here: only the address classes below count
+        return frozenset()
+
+
 @lru_cache(maxsize=512)
 def allowed_host(host_header: str | None) -> bool:
-    """True when a ``Host`` header names this machine (rules of Ollama's allowedHost).
+    """True when a ``Host`` header names this machine, by the rules of Ollama's
+    ``allowedHostsMiddleware`` (server/routes.go): an IP literal that is loopback, private
+    (RFC 1918 / RFC 4193, as Go's ``IsPrivate``), unspecified or one of this machine's own
+    addresses; ``localhost``, the machine's hostname, or a name under ``.localhost``,
+    ``.local`` or ``.internal``. Link-local and other addresses are refused.
 
     Memoised per header value (a client sends the same one on every request; parsing it as an
     IP address cost ~40 µs per request on the 2-core development machine)."""
@@ -161,9 +181,14 @@ def allowed_host(host_header: str | None) -> bool:
         return True
     try:
         ip = ipaddress.ip_address(host)
-        return ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_link_local
     except ValueError:
-        pass
+        ip = None
+    if ip is not None:
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return (ip.is_loopback or ip.is_unspecified
+                or any(ip.version == n.version and ip in n for n in _PRIVATE_NETS)
+                or str(ip) in _own_addresses())
     if host == socket.gethostname().lower():
         return True
     return any(host.endswith("." + tld) for tld in ("localhost", "local", "internal"))

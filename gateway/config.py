@@ -112,13 +112,22 @@ def _fail(msg: str, *loc: str | int) -> None:
 
 
 def _got(value: object) -> str:
-    """Render a received value JSON-style (strings quoted, None as null), shortened."""
+    """Render a received value JSON-style (strings quoted, None as null), shortened. A string
+    that reads as a number is said to be text: YAML 1.1 (PyYAML) reads ``1e-3`` without a dot,
+    or a quoted number, as a string."""
     try:
         text = json.dumps(value, ensure_ascii=False, default=str)
     except (TypeError, ValueError):
         text = repr(value)
     if len(text) > 80:
         text = text[:77] + "..."
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return text
+        return (f"the text {text} (YAML reads a quoted number, and an exponent without a dot "
+                f"such as 1e-3, as text: write the number unquoted, e.g. 0.001 or 1.0e-3)")
     return text
 
 

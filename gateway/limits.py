@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
+from gateway.api.common import loads_body
 from gateway.api.errors import ApiError, context_overflow
 from gateway.logs import get_logger
 from gateway.scheduling import Unavailable
@@ -117,7 +118,10 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     other than :data:`BODY_ENCODINGS`, e.g. ``br`` or ``zstd``: RFC 9110 §15.5.16) or 400 (a
     body that is not valid data in its coding).
     """
-    encoding = request.headers.get("Content-Encoding", "").strip().lower() or "identity"
+    # Repeated header lines are one comma-separated list (RFC 9110 §5.3): "gzip" then "br" on
+    # two lines is "gzip, br", which is refused like the same list on one line.
+    encoding = ", ".join(v.strip() for v in request.headers.getall("Content-Encoding", ())
+                         if v.strip()).lower() or "identity"
     if encoding not in BODY_ENCODINGS:
         raise ApiError(415, f"unsupported Content-Encoding {encoding!r}: the gateway accepts "
                             "gzip, deflate or an uncompressed body",
@@ -153,7 +157,7 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
 def parse_object(raw: bytes) -> dict | None:
     """The body as a JSON object, or None (the handler reports bad JSON in its own words)."""
     try:
-        data = orjson.loads(raw)
+        data = loads_body(raw)
     except orjson.JSONDecodeError:
         return None
     return data if isinstance(data, dict) else None

@@ -162,6 +162,10 @@ class Guard:
         cfg = self.config
         path = request.path
         host = request.headers.get("Host", "")
+        if request.raw_path[:1] != "/" and request.raw_path != "*":
+            # An absolute-form target ("GET http://name/path"): the server uses its authority,
+            # not the Host header (RFC 9112 §3.2.2), and so does Go's server under Ollama.
+            host = request.host
         if not self.hosts.ok(host):
             log.warning("request.host_refused", host=host, path=path)
             raise ApiError(403, f"host {host!r} is not allowed")

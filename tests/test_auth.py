@@ -58,8 +58,10 @@ def test_auth_config_errors():
     ("localhost", True), ("localhost:11434", True), ("127.0.0.1:11434", True), ("[::1]:11434", True),
     ("192.168.1.5", True), ("10.0.0.1:80", True), ("0.0.0.0", True), ("a.localhost", True),
     ("printer.local", True), ("svc.internal:8080", True), ("", True),
-    ("evil.com", False), ("8.8.8.8", False), ("localhost.evil.com", False), ("[2001:db8::1]:80", True),
-    ("[2606:4700::1]:80", False)])
+    ("evil.com", False), ("8.8.8.8", False), ("localhost.evil.com", False),
+    ("[2606:4700::1]:80", False), ("[fd00::5]:80", True), ("172.16.0.1", True), ("[::ffff:127.0.0.1]", True),
+    # Go's IsPrivate, as Ollama: link-local and documentation addresses are not allowed
+    ("169.254.1.1", False), ("[fe80::1]", False), ("[2001:db8::1]:80", False), ("100.64.0.1", False)])
 def test_allowed_host(host, ok):
     assert allowed_host(host) is ok
 
@@ -72,3 +74,13 @@ def test_host_check_only_on_loopback_and_cors():
     c = Cors(cfg(http={"cors_origins": ["http://localhost:3000"]}))
     assert c.allow("http://LOCALHOST:3000") == "http://LOCALHOST:3000" and c.allow("http://x") is None
     assert Cors(cfg(http={"cors_origins": ["*"]})).allow("http://x") == "*"
+
+
+def test_own_interface_addresses_are_allowed():
+    """Ollama also allows this machine's own addresses (isLocalIP), whatever their class: here
+    e.g. a link-local or documentation-range address of the VM's interface."""
+    from gateway.auth import _own_addresses
+    own = _own_addresses()
+    assert "127.0.0.1" in own
+    for a in own:
+        assert allowed_host(f"[{a}]:11434" if ":" in a else f"{a}:11434"), a

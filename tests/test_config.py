@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gateway.config import (
     ConfigError,
@@ -135,6 +136,24 @@ def test_other_type_errors():
         'models[0].slots: expected a positive integer, got "four"',
         "models[0].context: expected a positive integer, got 0",
     ]
+
+
+def test_a_number_yaml_read_as_text_is_named_as_such():
+    """PyYAML (YAML 1.1) reads ``1e-3`` (no dot) and quoted numbers as strings: the error says
+    so and how to write the number, instead of a bare "got \"1e-3\"" (found by a tester)."""
+    data = yaml.safe_load("models: [{name: demo, path: 'builtin:demo'}]\n"
+                          "scheduler: {prefill_weight: 1e-3, kv_weight: '0.5'}")
+    assert errors_of(data) == [
+        'scheduler.kv_weight: expected a number >= 0, got the text "0.5" (YAML reads a quoted '
+        "number, and an exponent without a dot such as 1e-3, as text: write the number unquoted, "
+        "e.g. 0.001 or 1.0e-3)",
+        'scheduler.prefill_weight: expected a number >= 0, got the text "1e-3" (YAML reads a '
+        "quoted number, and an exponent without a dot such as 1e-3, as text: write the number "
+        "unquoted, e.g. 0.001 or 1.0e-3)",
+    ]
+    assert parse_config(yaml.safe_load("models: [{name: demo, path: 'builtin:demo'}]\n"
+                                       "scheduler: {prefill_weight: 1.0e-3}")
+                        ).scheduler.prefill_weight == 0.001
 
 
 def test_str_prefixed_with_source(tmp_path):

@@ -7,6 +7,7 @@ import gzip
 import pytest
 
 from gateway.api.errors import ApiError
+from gateway import limits
 from gateway.limits import _Decoder, prompt_texts
 
 MSGS = [{"role": "system", "content": "be brief"},
@@ -82,3 +83,18 @@ def test_decoder_reads_every_gzip_member_and_refuses_what_follows_a_stream(split
         with pytest.raises(ApiError) as e:
             _decode(enc, body, split)
         assert e.value.status == 400, (enc, body)
+
+
+def test_body_with_invalid_utf8_is_read_as_go_reads_it():
+    """Bytes that are not UTF-8 become U+FFFD (Go's encoding/json, so Ollama, answers such a
+    request); anything else that is not JSON is still an error (found by a tester: the gateway
+    answered 400 "str is not valid UTF-8")."""
+    import orjson
+
+    from gateway.api.common import loads_body
+    assert loads_body(b'{"prompt": "caf\xc3"}') == {"prompt": "caf\ufffd"}
+    assert limits.parse_object(b'{"model": "demo", "prompt": "\xff\xfe"}') == \
+        {"model": "demo", "prompt": "\ufffd\ufffd"}
+    assert loads_body('{"prompt": "café"}'.encode()) == {"prompt": "café"}
+    with pytest.raises(orjson.JSONDecodeError):
+        loads_body(b'{"prompt": ')

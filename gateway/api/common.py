@@ -15,6 +15,21 @@ from gateway.scheduling import Ticket, TooLarge, TooManySlots
 STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 
 
+def loads_body(raw: bytes):
+    """A request body's JSON value (orjson). Bytes that are not valid UTF-8 are read as U+FFFD,
+    as Go's ``encoding/json`` does under Ollama (a client that cut a multi-byte character is
+    answered, not refused). Raises ``orjson.JSONDecodeError`` for anything else that is not
+    JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return orjson.loads(raw.decode("utf-8", "replace"))
+        raise
+
+
 async def read_json(request: web.Request) -> dict:
     """The JSON object body. Raises ApiError(400): ``missing request body`` (empty body, as
     Ollama), ``invalid JSON: …``, or ``request body must be a JSON object``. A JSON ``null``
@@ -30,7 +45,7 @@ async def read_json(request: web.Request) -> dict:
     if not raw.strip():
         raise ApiError(400, "missing request body")
     try:
-        data = orjson.loads(raw)
+        data = loads_body(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"invalid JSON: {e}") from None
     if data is None:

@@ -9,8 +9,8 @@ Too-long inputs: llama-server embeds a whole input in one micro-batch, so the li
 min(per-slot context, ``-ub`` (default 512)). With ``truncate`` (default true) the input is
 tokenized and cut to the limit; with ``truncate:false`` → 400 ``the input length exceeds the
 context length`` (Ollama text). That ``/tokenize`` is not asked when admission would refuse the
-input at once (full queue, no worker can serve it): the request gets that 503 without waiting
-for the side call. Workers need ``embeddings: true`` and a pooling type other than
+request at once (full queue, no worker can serve it): the request gets that 503 without waiting
+for the side call (``embed_many``). Workers need ``embeddings: true`` and a pooling type other than
 ``none`` (the demo model needs ``args: [--pooling, mean]``).
 
 Empty strings in a batch: sent to the worker like any input, as Ollama's ``EmbedHandler`` does
@@ -79,13 +79,14 @@ def _is_too_long(e: UpstreamError) -> bool:
 
 async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bool,
                      index: int) -> tuple[list[float], int]:
-    """Input number ``index`` → (vector, prompt tokens). Raises ApiError / UpstreamError."""
+    """Input number ``index`` of a request admission accepted (``embed_many``) → (vector,
+    prompt tokens); its ticket is a ``follow_on``. Raises ApiError / UpstreamError, and
+    admission's refusals (``Unavailable``, ``QueueTimeout``)."""
     gw = request.app["gw"]
     limit = input_limit(gw, entry)
     payload = text
     # A byte-level token is at least one byte, so only texts this long can exceed the limit.
     if isinstance(text, str) and len(text.encode()) + 2 > limit:
-        refuse_early(gw, entry.name)
         toks = await tokenize(gw, entry.name, text)
         if len(toks) + 1 > limit:  # +1: the worker may add BOS
             if not truncate:
@@ -93,6 +94,7 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
             payload = toks[:limit - 1]
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s)
+    ticket.follow_on = True
     try:
         async with gw.upstream.request(ticket, "/v1/embeddings", {"input": payload}) as (lease, resp):
             data = orjson.loads(await read_all(resp))
@@ -114,9 +116,14 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
                      dimensions: int) -> tuple[list[list[float]], int]:
     """Embed ``inputs`` concurrently (one lease each), in input order; (vectors, total tokens).
 
-    At most as many inputs of one request are in flight (queued or running) as the model has
-    slots in total, so a long batch spreads over every worker without filling the gateway's
-    queue (a 600-input batch on an idle gateway must not get 503 "maximum pending requests").
+    The request is admitted once, as one request (Ollama's ``OLLAMA_MAX_QUEUE`` counts
+    requests, not inputs): a 503 at once when admission would refuse a new request now
+    (``refuse_early``: full queue, no worker). Once accepted, its inputs are ``follow_on``
+    tickets: they wait for slots like any ticket, and count in the queue, but a full queue
+    never refuses them, so an accepted batch is not cut off halfway. At most as many inputs of
+    one request are in flight (queued or running) as the model has slots in total, so a long
+    batch spreads over every worker and bounds what it adds to the queue. When one input fails,
+    the others are cancelled (their slots freed), and the request gets that input's error.
     Raises ApiError (400 too long, 503 busy) or UpstreamError."""
     gw = request.app["gw"]
     width = max(1, sum(w.slots for w in gw.dispatcher.workers_for(entry.name)))
@@ -126,8 +133,16 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
         async with gate:
             return await _embed_one(request, entry, text, truncate, i)
 
+    tasks: list[asyncio.Task] = []
     try:
-        results = await asyncio.gather(*(one(i, t) for i, t in enumerate(inputs)))
+        refuse_early(gw, entry.name)
+        tasks = [asyncio.ensure_future(one(i, t)) for i, t in enumerate(inputs)]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:  # an input failed, or the client left: the others stop and free their slots
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         raise admission_error(e, gw.config.queue.retry_after_s) from None
     except UpstreamError as e:

@@ -236,7 +236,7 @@ class Dispatcher:
     def submit(self, ticket: Ticket) -> SlotLease | None:
         """Admit ``ticket``: a lease at once if a slot is free and nobody for that model waits
         ahead of it, else queue it (returns None). Raises ``QueueFull`` when the queue is at
-        ``max_pending``.
+        ``max_pending`` (not for a ``follow_on`` ticket) and ``refusal``'s ``Unavailable``.
         """
         self.check_fits(ticket)
         now = self.clock()
@@ -245,7 +245,8 @@ class Dispatcher:
             cands = self._candidates(ticket)
             if cands:
                 return self._grant(ticket, cands, now)
-        refused = self._queue_refusal(ticket.model, ticket.request_id)
+        refused = (self.refusal(ticket.model) if ticket.follow_on
+                   else self._queue_refusal(ticket.model, ticket.request_id))
         if refused is not None:
             raise refused
         self.queue.push(ticket)

@@ -31,6 +31,9 @@ class Ticket:
         seq: admission order, for FIFO within a priority class.
         avoid: ids of workers this request already failed on before any response byte; a
             retry goes to another worker when one can take it now.
+        follow_on: part of a request admission already accepted (the inputs of an embedding
+            batch, admitted as one request): it may wait in the queue beyond ``max_pending``
+            (it still counts there), so an accepted request is never refused halfway.
         slots: slots the request occupies on its one worker (>= 1): a ``/v1`` request with
             ``n`` choices runs ``n`` tasks side by side there (llama-server ``n_cmpl``, alias
             ``n``), so it is dispatched only to a worker with that many free slots and holds
@@ -49,6 +52,7 @@ class Ticket:
     enqueued_at: float = 0.0
     seq: int = field(default_factory=lambda: next(_seq))
     avoid: frozenset[str] = frozenset()
+    follow_on: bool = False
     slots: int = 1
 
     def deadline(self) -> float | None:

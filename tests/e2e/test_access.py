@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import socket
 
 import httpx
 import ollama
@@ -208,6 +209,21 @@ def test_host_header_checked_on_loopback(secured):
     for host in ("localhost", f"127.0.0.1:{secured.port}", "myhost.local", "[::1]:80",
                  "10.1.2.3", "box.internal"):
         assert httpx.get(secured.url + "/api/tags", headers={**h, "Host": host}).status_code == 200, host
+    # link-local is not private (Go's IsPrivate, as Ollama)
+    assert httpx.get(secured.url + "/api/tags", headers={**h, "Host": "169.254.1.1"}).status_code == 403
+    # an absolute-form target names the host the server must use (RFC 9112 §3.2.2), whatever
+    # the Host header says (found by a tester: it bypassed the check)
+    for target, status in ((b"http://evil.com/api/tags", 403), (b"http://localhost/api/tags", 200)):
+        with socket.create_connection(("127.0.0.1", secured.port), timeout=10) as s:
+            s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
+                      + WEB.encode() + b"\r\nConnection: close\r\n\r\n")
+            head = b""
+            while b"\r\n" not in head:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                head += chunk
+        assert head.startswith(b"HTTP/1.1 %d" % status), (target, head[:200])
 
 
 def test_cors_only_for_configured_origins(secured):

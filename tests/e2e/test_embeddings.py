@@ -103,3 +103,21 @@ def test_empty_string_in_a_batch_is_embedded_or_named(gw):
     # a whole empty input stays Ollama's "load the model" answer
     assert httpx.post(gw.url + "/api/embed", json={"model": "embed", "input": ""}).json() == \
         {"model": "embed", "embeddings": []}
+
+
+def test_a_batch_is_admitted_as_one_request(gateway_factory):
+    """The queue bound counts requests, not inputs (Ollama's ``OLLAMA_MAX_QUEUE``): with one
+    2-slot worker and one queue place, two concurrent 3-input batches both succeed, round after
+    round (each input used to take a queue place, so one of them got 503 after part of its
+    inputs had been embedded)."""
+    cfg = base_config(free_port(), models=[embed_model(cpu=1)], queue={"max_pending": 1})
+    g = gateway_factory(cfg)
+    body = {"model": "embed", "input": ["alpha", "beta beta", "gamma gamma gamma"]}
+    with cf.ThreadPoolExecutor(2) as ex:
+        for _ in range(6):
+            rs = list(ex.map(lambda _: httpx.post(g.url + "/api/embed", json=body, timeout=60),
+                             range(2)))
+            assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+            assert all(len(r.json()["embeddings"]) == 3 for r in rs)
+    st = httpx.get(g.url + "/gateway/api/workers", timeout=5).json()
+    assert st["queue"]["depth"] == 0 and all(w["busy"] == 0 for w in st["workers"])

@@ -164,6 +164,15 @@ def test_compressed_bodies(limited):
         r = httpx.post(limited.url + "/v1/chat/completions", content=plain, headers=hdrs,
                        timeout=10)
         assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error"
+    # Two Content-Encoding lines are one list (RFC 9110 §5.3): "gzip" then "br" is refused
+    # like "gzip, br", not decoded as gzip with "br" ignored (found by a tester)
+    for lines in ([("Content-Encoding", "gzip"), ("Content-Encoding", "br")],
+                  [("Content-Encoding", "br"), ("Content-Encoding", "gzip")],
+                  [("Content-Encoding", "gzip, br")]):
+        r = httpx.post(limited.url + "/api/show", content=gzip.compress(show), timeout=10,
+                       headers=httpx.Headers(lines + [("Content-Type", "application/json")]))
+        assert r.status_code == 415, (lines, r.status_code, r.text)
+        assert r.json()["error"].split("'")[1] in ("gzip, br", "br, gzip"), r.text
     bomb = gzip.compress(b'{"model": "demo", "prompt": "' + b"x" * 5_000_000 + b'"}')
     assert len(bomb) < 20000
     r = httpx.post(limited.url + "/api/generate", content=bomb, timeout=10,

@@ -155,6 +155,23 @@ def test_max_pending_zero_rejects_when_full():
         d.submit(t(2))
 
 
+def test_follow_on_tickets_wait_beyond_max_pending_but_count_there():
+    """The inputs of an accepted embedding batch (``follow_on``) are never refused by a full
+    queue; they still count in it, so new requests are refused, and they still get slots in
+    order."""
+    d, _ = mk(n_workers=1, slots=1, max_pending=1)
+    first = d.submit(t(0))
+    assert d.submit(t(1)) is None  # the one queue place
+    with pytest.raises(QueueFull):
+        d.submit(t(2))
+    assert d.submit(t(3, follow_on=True)) is None and len(d.queue) == 2
+    with pytest.raises(QueueFull):
+        d.submit(t(4))
+    nxt = first.release()
+    assert [tk.request_id for tk, _ in nxt] == ["r1"]
+    assert [tk.request_id for tk, _ in nxt[0][1].release()] == ["r3"]
+
+
 def test_priority_first_and_aging():
     d, clock = mk(n_workers=1, slots=1, max_pending=10)
     held = d.submit(t(0))

@@ -1,0 +1,103 @@
+"""Added TTFT of two gateway code trees, measured in one run (not part of pytest).
+
+Each tree (a checkout, e.g. ``git worktree add /tmp/base <commit>``) runs its own gateway with
+one real worker (demo model, 2 slots, ``-t 1``); the script alternates, request by request,
+direct-to-worker and through-the-gateway streams of 16 tokens for every tree, so machine load
+hits all series alike. It prints, per tree, TTFT p50 direct, through the gateway, and the
+difference (ms). Speed is measured, never asserted.
+
+Run: ``flock /tmp/bench.lock .venv/bin/python tests/bench/overhead_ab.py /tmp/base . [-n 300]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import base_config, free_port, worker_key  # noqa: E402
+
+
+def ttft(client: httpx.Client, url: str, body: dict, headers: dict | None = None) -> float:
+    t0, first = time.perf_counter(), None
+    with client.stream("POST", url, json=body, headers=headers or {}) as r:
+        for line in r.iter_lines():
+            if line and first is None:
+                first = time.perf_counter() - t0
+    return first
+
+
+def start(root: Path, tmp: Path, i: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cfg = base_config(port)
+    cfg["models"][0].update({"slots": 2, "cpu": 1})
+    path = tmp / f"gateway-{i}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "-c", str(path)], cwd=root,
+                            stdout=open(tmp / f"gateway-{i}.log", "wb"), stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def ready_worker(url: str, timeout_s: float = 300) -> dict:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            ws = httpx.get(url + "/gateway/api/workers", timeout=2).json()["workers"]
+            ready = [w for w in ws if w.get("state") == "ready"]
+            if ready:
+                return ready[0]
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"no ready worker behind {url}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trees", nargs="+", type=Path)
+    ap.add_argument("-n", type=int, default=300)
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="overhead-ab-"))
+    gws = [start(root.resolve(), tmp, i) for i, root in enumerate(a.trees)]
+    gbody = {"model": "demo", "prompt": "hello there", "raw": True, "options": {"num_predict": 16}}
+    dbody = {"prompt": "hello there", "n_predict": 16, "stream": True}
+    try:
+        targets = []
+        for proc, url in gws:
+            w = ready_worker(url)
+            targets.append((f"http://127.0.0.1:{w['port']}/completion",
+                            {"Authorization": f"Bearer {worker_key(w['pid'])}"},
+                            url + "/api/generate"))
+        res = [([], []) for _ in targets]
+        with httpx.Client(timeout=60) as c:
+            for i in range(a.n + 30):  # 30 warm-up rounds; order alternates every round
+                order = list(enumerate(targets))
+                for k, (durl, key, gurl) in (order if i % 2 else order[::-1]):
+                    d, g = ttft(c, durl, dbody, key), ttft(c, gurl, gbody)
+                    if i >= 30:
+                        res[k][0].append(d)
+                        res[k][1].append(g)
+        print("| tree | TTFT p50 direct (ms) | TTFT p50 gateway (ms) | added (ms) |")
+        print("|---|---:|---:|---:|")
+        for root, (d, g) in zip(a.trees, res):
+            md, mg = statistics.median(d) * 1e3, statistics.median(g) * 1e3
+            print(f"| `{root}` | {md:.3f} | {mg:.3f} | {mg - md:+.3f} |")
+    finally:
+        for proc, _ in gws:
+            proc.terminate()
+        for proc, _ in gws:
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
