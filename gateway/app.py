@@ -19,6 +19,7 @@ from gateway.api import openai as openai_api
 from gateway.api import status_page
 from gateway.config import ConfigError, GatewayConfig, ModelConfig, PlanDiff, WorkerPlan, diff_plans, plan_workers
 from gateway.drain import graceful_stop
+from gateway.expect import with_expect
 from gateway.fleet import Fleet
 from gateway.inventory import Inventory, ModelEntry, full_name
 from gateway.listen import bind_listen
@@ -92,12 +93,9 @@ class Gateway:
         app.on_response_prepare.append(_request_id_header)
         app["guard"] = guard = Guard(self.config)
         app.on_response_prepare.append(guard.on_response_prepare)
-        app.add_routes(ollama_api.routes())
-        app.add_routes(openai_api.routes())
-        app.add_routes(admin_api.routes())
-        app.add_routes(embeddings_api.routes())
-        app.add_routes(ollama_manage_api.routes())
-        app.add_routes(status_page.routes())
+        for routes in (ollama_api.routes(), openai_api.routes(), admin_api.routes(),
+                       embeddings_api.routes(), ollama_manage_api.routes(), status_page.routes()):
+            app.add_routes(with_expect(routes))
         return app
 
     # ---- models, reload ----------------------------------------------------------------------

@@ -105,6 +105,14 @@ class _Decoder:
         return bytes(self.out)
 
 
+def declared_too_large(request: web.Request, max_bytes: int) -> ApiError | None:
+    """The 413 for a body whose ``Content-Length`` is over ``max_bytes`` bytes, else None."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        return ApiError(413, f"request body too large: {request.content_length} bytes, "
+                             f"the limit is {max_bytes}")
+    return None
+
+
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
     """The whole body, decoded from its ``Content-Encoding``; the caller keeps it in
     ``request["raw_body"]`` for the handler (gateway/api/common.py ``read_json``).
@@ -126,9 +134,9 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
         raise ApiError(415, f"unsupported Content-Encoding {encoding!r}: the gateway accepts "
                             "gzip, deflate or an uncompressed body",
                        {"Accept-Encoding": "gzip, deflate"})
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise ApiError(413, f"request body too large: {request.content_length} bytes, "
-                            f"the limit is {max_bytes}")
+    declared = declared_too_large(request, max_bytes)
+    if declared is not None:
+        raise declared
     content = request.content
     if encoding == "identity" and content.is_eof() and content.exception() is None:
         # The whole body came with the headers (the common small request): take it as it is,

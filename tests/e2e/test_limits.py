@@ -63,6 +63,37 @@ def test_body_too_large_413_in_route_shape(limited):
     assert r.status_code == 413 and "error" in r.json()
 
 
+def _raw_exchange(port: int, head: bytes, body: bytes = b"", wait_s: float = 5.0) -> bytes:
+    """Send ``head``; after a first answer (or at once without one) send ``body``; all read."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:
+        s.sendall(head)
+        first = s.recv(65536)
+        if body and first.startswith(b"HTTP/1.1 100"):
+            s.sendall(body)
+        rest = b""
+        try:
+            while chunk := s.recv(65536):
+                rest += chunk
+        except socket.timeout:
+            pass
+    return first + rest
+
+
+def test_expect_100_continue_gets_413_instead_for_a_body_over_the_limit(limited):
+    """A client announcing a body over ``max_body_bytes`` with ``Expect: 100-continue`` gets
+    the 413 instead of ``100 Continue`` (so it never uploads the body; found by a tester: curl
+    sent 1.5 MB of a 70 MB body first); a body within the limit still gets ``100 Continue``
+    and its answer."""
+    head = (b"POST /api/show HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nConnection: close\r\nContent-Length: %d\r\n\r\n")
+    out = _raw_exchange(limited.port, head % 999_999_999)
+    assert out.startswith(b"HTTP/1.1 413"), out[:300]
+    assert b"100 Continue" not in out and b"request body too large" in out
+    small = b'{"model": "demo"}'
+    out = _raw_exchange(limited.port, head % len(small), small)
+    assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"), out[:300]
+
+
 def test_too_many_messages_400(limited):
     msgs = [{"role": "user", "content": "hi"}] * 6
     r = httpx.post(limited.url + "/api/chat", json={"model": "demo", "messages": msgs}, timeout=10)
