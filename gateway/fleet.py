@@ -21,6 +21,7 @@ from gateway.config import GatewayConfig, WorkerPlan
 from gateway.logs import get_logger
 from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
 from gateway.scheduling import make_scorer
+from gateway.scheduling.scorer import keep_prefix_index
 from gateway.sizing import SizeEstimate, estimate
 from gateway.upstream import Endpoint
 from workers.gpu import read_gpu_stats
@@ -87,9 +88,10 @@ class Fleet:
         """The ``scheduler`` section (a SchedulerConfig) for the next scheduling decision and
         the next poll of every worker (at start and on reload)."""
         d = self.admission.dispatcher
-        d.scorer = make_scorer(sc.policy, affinity=sc.prefix_affinity,
-                               affinity_bound=sc.affinity_bound, kv_weight=sc.kv_weight,
-                               prefill_weight=sc.prefill_weight)
+        # A reload keeps what the prefix index learnt (the workers' caches did not change).
+        d.scorer = keep_prefix_index(d.scorer, make_scorer(
+            sc.policy, affinity=sc.prefix_affinity, affinity_bound=sc.affinity_bound,
+            kv_weight=sc.kv_weight, prefill_weight=sc.prefill_weight))
         d.queue.aging_s = sc.aging_s
         for p in self.pollers.values():
             p.interval_s, p.timeout_s = sc.poll_interval_s, sc.poll_timeout_s

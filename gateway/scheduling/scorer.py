@@ -254,6 +254,15 @@ class Pack:
         return min(candidates, key=lambda w: w.order)
 
 
+def keep_prefix_index(old: Scorer | None, new: Scorer) -> Scorer:
+    """``new`` with ``old``'s prefix index when both keep one (a reload builds a new scorer, but
+    what each worker holds in its caches did not change); returns ``new``."""
+    index = getattr(old, "index", None)
+    if index is not None and getattr(new, "index", None) is not None:
+        new.index = index
+    return new
+
+
 def make_scorer(policy: str, *, affinity: bool = True, affinity_bound: float = 2.0,
                 kv_weight: float = 0.5, prefill_weight: float = 0.5,
                 seed: int | None = None) -> Scorer:

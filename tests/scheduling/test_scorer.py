@@ -3,7 +3,7 @@
 import pytest
 
 from gateway.scheduling import Dispatcher, Ticket, TooLarge, WorkerLoad, make_scorer
-from gateway.scheduling.scorer import LeastLoaded, rendezvous_rank
+from gateway.scheduling.scorer import LeastLoaded, keep_prefix_index, rendezvous_rank
 
 
 def mk(policy="least_loaded", n=2, slots=4, n_ctx=0, kv=0, **kw):
@@ -180,3 +180,25 @@ def test_baseline_policies():
         make_scorer("fastest")
     with pytest.raises(ValueError):
         LeastLoaded(affinity_bound=0.5)
+
+
+def test_a_reload_keeps_the_prefix_index():
+    """A reload builds a new scorer (Fleet.apply_scheduler); the index of what each worker
+    was sent stays, so the next turn of a conversation still finds its worker although that
+    worker is now busier. A policy without an index neither takes nor gives one."""
+    def next_turn_after_reload(keep: bool) -> bool:
+        d = mk(n=2, slots=4)
+        first = d.submit(t(1, prefix_key=1, prefix_chain=conv(2), est_tokens=1200))
+        first.release()
+        busy = d.submit(t(2))  # by load alone the next turn would go to the other worker
+        assert busy.worker is first.worker
+        new = make_scorer("least_loaded")
+        d.scorer = keep_prefix_index(d.scorer, new) if keep else new
+        nxt = d.submit(t(3, prefix_key=1, prefix_chain=conv(3), est_tokens=1800))
+        return nxt.worker is first.worker
+
+    assert next_turn_after_reload(keep=True) and not next_turn_after_reload(keep=False)
+    ll = make_scorer("least_loaded")
+    rr = keep_prefix_index(ll, make_scorer("round_robin"))
+    assert not hasattr(rr, "index")
+    assert keep_prefix_index(rr, make_scorer("least_loaded")).index is not ll.index
