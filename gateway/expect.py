@@ -10,11 +10,14 @@ HTTP/1.1 ``100-continue``, 417 for another expectation.
 
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from gateway.api.common import request_id
 from gateway.api.errors import error_response
 from gateway.limits import declared_too_large
+from gateway.middleware import finished
 
 
 async def expect_handler(request: web.Request) -> web.StreamResponse | None:
@@ -25,9 +28,11 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
         too_large = declared_too_large(request, guard.config.limits.max_body_bytes) \
             if guard is not None else None
         if too_large is not None:
+            request["t0_ns"] = time.monotonic_ns()
             resp = error_response(request.path, too_large)
             resp.headers["X-Request-ID"] = request_id(request)
             resp.force_close()
+            finished(request, request.app.get("gw"), too_large.status)  # metrics, access log
             return resp
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the 100 is not part of the response (as aiohttp does)

@@ -76,7 +76,7 @@ async def gateway_middleware(request: web.Request, handler):
         status = e.status
     except asyncio.CancelledError:
         # The client disconnected (aiohttp's handler cancellation): counted and logged as 499.
-        _finished(request, gw, CLIENT_CLOSED)
+        finished(request, gw, CLIENT_CLOSED)
         raise
     except ConnectionResetError:
         # The client went away while its stream was being written (aiohttp raises this before
@@ -93,11 +93,11 @@ async def gateway_middleware(request: web.Request, handler):
             gw.inflight.pop(id(request), None)
     if not resp.prepared:
         resp.headers["X-Request-ID"] = rid
-    _finished(request, gw, status)
+    finished(request, gw, status)
     return resp
 
 
-def _finished(request: web.Request, gw, status: int) -> None:
+def finished(request: web.Request, gw, status: int) -> None:
     """Count the request in the metrics and write its one ``request.done`` event
     (``client_left: true`` with status 499 when the client disconnected first)."""
     ms = (time.monotonic_ns() - request["t0_ns"]) / 1e6

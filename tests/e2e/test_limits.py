@@ -89,6 +89,13 @@ def test_expect_100_continue_gets_413_instead_for_a_body_over_the_limit(limited)
     out = _raw_exchange(limited.port, head % 999_999_999)
     assert out.startswith(b"HTTP/1.1 413"), out[:300]
     assert b"100 Continue" not in out and b"request body too large" in out
+    # counted and logged like any answered request (it never reaches the middleware)
+    done = [json.loads(ln) for ln in limited.log_path.read_text().splitlines()
+            if '"request.done"' in ln and '"status": 413' in ln]
+    assert any(ev["path"] == "/api/show" for ev in done), done
+    metrics = httpx.get(limited.url + "/metrics", timeout=10).text
+    assert any(ln.startswith("llama_gateway_requests_total{") and 'status="413"' in ln
+               for ln in metrics.splitlines()), metrics[:2000]
     small = b'{"model": "demo"}'
     out = _raw_exchange(limited.port, head % len(small), small)
     assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"), out[:300]
