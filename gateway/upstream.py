@@ -206,9 +206,11 @@ class Upstream:
             await self.session.close()
 
     @contextlib.asynccontextmanager
-    async def request(self, ticket: Ticket, path: str, body: dict
+    async def request(self, ticket: Ticket, path: str, body: dict, on_admitted=None
                       ) -> AsyncIterator[tuple[SlotLease, WorkerResponse]]:
         """Lease a slot, POST ``body`` to ``path`` on that worker, yield (lease, response).
+        ``on_admitted()`` (optional) is called once admission took the ticket (a slot, or a
+        place in the queue), before any wait.
 
         The response has status < 400 (errors raise ``UpstreamError``). On exit the response
         is closed (so the worker sees a disconnect and frees its slot) and the lease released.
@@ -225,6 +227,8 @@ class Upstream:
         for attempt in range(self.attempts):
             # A free slot is taken at once; only a queued ticket needs the deadline's timer.
             lease = self.admission.submit(ticket)
+            if on_admitted is not None:
+                on_admitted()
             if lease is None:
                 try:
                     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):

@@ -78,10 +78,11 @@ def _is_too_long(e: UpstreamError) -> bool:
 
 
 async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bool,
-                     index: int) -> tuple[list[float], int]:
-    """Input number ``index`` of a request admission accepted (``embed_many``) → (vector,
-    prompt tokens); its ticket is a ``follow_on``. Raises ApiError / UpstreamError, and
-    admission's refusals (``Unavailable``, ``QueueTimeout``)."""
+                     index: int, follow_on: bool, on_admitted=None) -> tuple[list[float], int]:
+    """Input number ``index`` of a request → (vector, prompt tokens). The first input's ticket is
+    the request's admission; the others are ``follow_on`` (``embed_many``). ``on_admitted``: see
+    ``Upstream.request``. Raises ApiError / UpstreamError, and admission's refusals
+    (``QueueFull``, ``Unavailable``, ``QueueTimeout``)."""
     gw = request.app["gw"]
     limit = input_limit(gw, entry)
     payload = text
@@ -94,9 +95,10 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
             payload = toks[:limit - 1]
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s)
-    ticket.follow_on = True
+    ticket.follow_on = follow_on
     try:
-        async with gw.upstream.request(ticket, "/v1/embeddings", {"input": payload}) as (lease, resp):
+        async with gw.upstream.request(ticket, "/v1/embeddings", {"input": payload},
+                                       on_admitted) as (lease, resp):
             data = orjson.loads(await read_all(resp))
             request.setdefault("workers_used", []).append(lease.worker.id)
     except UpstreamError as e:
@@ -117,10 +119,12 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
     """Embed ``inputs`` concurrently (one lease each), in input order; (vectors, total tokens).
 
     The request is admitted once, as one request (Ollama's ``OLLAMA_MAX_QUEUE`` counts
-    requests, not inputs): a 503 at once when admission would refuse a new request now
-    (``refuse_early``: full queue, no worker). Once accepted, its inputs are ``follow_on``
-    tickets: they wait for slots like any ticket, and count in the queue, but a full queue
-    never refuses them, so an accepted batch is not cut off halfway. At most as many inputs of
+    requests, not inputs): its first input's ticket is an ordinary one (a slot, a place in the
+    queue, or the queue's 503 at once), and only once admission took it do the other inputs
+    start, as ``follow_on`` tickets: they wait for slots like any ticket, and count in the
+    queue, but a full queue never refuses them, so an accepted batch is not cut off halfway
+    (``refuse_early`` first spares a long first input its ``/tokenize`` when the queue would
+    refuse the request anyway). At most as many inputs of
     one request are in flight (queued or running) as the model has slots in total, so a long
     batch spreads over every worker and bounds what it adds to the queue. When one input fails,
     the others are cancelled (their slots freed), and the request gets that input's error.
@@ -129,15 +133,24 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
     width = max(1, sum(w.slots for w in gw.dispatcher.workers_for(entry.name)))
     gate = asyncio.Semaphore(width)
 
-    async def one(i, text):
+    async def one(i, text, on_admitted=None):
         async with gate:
-            return await _embed_one(request, entry, text, truncate, i)
+            return await _embed_one(request, entry, text, truncate, i, follow_on=i > 0,
+                                    on_admitted=on_admitted)
 
     tasks: list[asyncio.Task] = []
     try:
         refuse_early(gw, entry.name)
-        tasks = [asyncio.ensure_future(one(i, t)) for i, t in enumerate(inputs)]
+        admitted = asyncio.Event()
+        tasks = [asyncio.ensure_future(one(0, inputs[0], admitted.set))]
         try:
+            waiter = asyncio.ensure_future(admitted.wait())
+            try:  # the first input was admitted (slot or queue place), or it already failed
+                await asyncio.wait((tasks[0], waiter), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+            if admitted.is_set():
+                tasks += [asyncio.ensure_future(one(i, t)) for i, t in enumerate(inputs) if i]
             results = await asyncio.gather(*tasks)
         finally:  # an input failed, or the client left: the others stop and free their slots
             for t in tasks:

@@ -3,10 +3,12 @@ spreading a batch over workers."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import math
 
+import aiohttp
 import httpx
 import ollama
 import openai
@@ -119,5 +121,34 @@ def test_a_batch_is_admitted_as_one_request(gateway_factory):
                              range(2)))
             assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
             assert all(len(r.json()["embeddings"]) == 3 for r in rs)
+    st = httpx.get(g.url + "/gateway/api/workers", timeout=5).json()
+    assert st["queue"]["depth"] == 0 and all(w["busy"] == 0 for w in st["workers"])
+
+
+def test_concurrent_embeds_are_bounded_by_the_queue(gateway_factory):
+    """``queue.max_pending`` bounds embedding requests like any other (field case 1): with 2
+    slots and 1 queue place, 16 embeds sent together cannot all be admitted; the rest get 503 at
+    once in Ollama's shape. (The inputs of each request used to start before any was admitted,
+    so every request got in, however many: found by a second fresh tester.)"""
+    cfg = base_config(free_port(), models=[embed_model(cpu=1, context=1024)],
+                      queue={"max_pending": 1})
+    g = gateway_factory(cfg)
+    body = {"model": "embed", "input": "lorem ipsum dolor " * 60}
+
+    async def burst(n):  # one client loop: the requests reach the gateway together
+        async with aiohttp.ClientSession() as s:
+            async def post():
+                async with s.post(g.url + "/api/embed", json=body) as r:
+                    return r.status, dict(r.headers), await r.json()
+            return await asyncio.gather(*(post() for _ in range(n)))
+
+    rs = asyncio.run(burst(16))
+    codes = sorted(status for status, _, _ in rs)
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1, codes
+    for status, headers, obj in rs:
+        if status == 503:
+            assert headers["Retry-After"] and "error" in obj
+        else:
+            assert len(obj["embeddings"]) == 1
     st = httpx.get(g.url + "/gateway/api/workers", timeout=5).json()
     assert st["queue"]["depth"] == 0 and all(w["busy"] == 0 for w in st["workers"])
