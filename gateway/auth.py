@@ -143,8 +143,9 @@ def _is_loopback_listen(host: str) -> bool:
 
 def _split_host(host_header: str) -> str:
     h = host_header.strip()
-    if h.startswith("["):  # [::1]:port
-        return h[1:h.find("]")] if "]" in h else h
+    if h.startswith("["):  # [::1]:port, [fe80::1%25eth0]:port (RFC 6874 zone), [fe80::1%eth0]
+        inner = h[1:h.find("]")] if "]" in h else h
+        return inner.split("%", 1)[0]
     if h.count(":") == 1:
         return h.rsplit(":", 1)[0]
     return h

@@ -123,11 +123,12 @@ def _got(value: object) -> str:
         text = text[:77] + "..."
     if isinstance(value, str):
         try:
-            float(value)
+            if not math.isfinite(float(value)):
+                return text
         except ValueError:
             return text
         return (f"the text {text} (YAML reads a quoted number, and an exponent without a dot "
-                f"such as 1e-3, as text: write the number unquoted, e.g. 0.001 or 1.0e-3)")
+                f"such as 1e-3, as text: write the number unquoted, e.g. 10, 0.001 or 1.0e-3)")
     return text
 
 

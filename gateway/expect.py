@@ -5,7 +5,9 @@ over ``limits.max_body_bytes`` was invited to upload it (curl sent 1.5 MB of a 7
 before the 413. This handler answers that 413 instead of ``100 Continue``, in the route's error
 shape and with ``Connection: close``, so a client that waits for the go-ahead (curl, for bodies
 over 1 MiB) never sends the body. Anything else is aiohttp's behaviour: ``100 Continue`` for
-HTTP/1.1 ``100-continue``, 417 for another expectation.
+HTTP/1.1 ``100-continue``, 417 for another expectation (in the route's error shape). An
+HTTP/1.0 request's expectation is ignored, as RFC 9110 §10.1.1 requires (and Go's server under
+Ollama does).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from aiohttp import web
 
 from gateway.api.common import request_id
-from gateway.api.errors import error_response
+from gateway.api.errors import ApiError, error_response
 from gateway.limits import declared_too_large
 from gateway.middleware import finished
 
@@ -23,21 +25,29 @@ from gateway.middleware import finished
 async def expect_handler(request: web.Request) -> web.StreamResponse | None:
     """aiohttp ``expect_handler``: a response ends the request before its body; None goes on."""
     expect = request.headers.get("Expect", "")
-    if request.version >= (1, 1) and expect.lower() == "100-continue":
-        guard = request.app.get("guard")
-        too_large = declared_too_large(request, guard.config.limits.max_body_bytes) \
-            if guard is not None else None
-        if too_large is not None:
-            request["t0_ns"] = time.monotonic_ns()
-            resp = error_response(request.path, too_large)
-            resp.headers["X-Request-ID"] = request_id(request)
-            resp.force_close()
-            finished(request, request.app.get("gw"), too_large.status)  # metrics, access log
-            return resp
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # the 100 is not part of the response (as aiohttp does)
+    if request.version < (1, 1):
         return None
-    raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+    if expect.lower() != "100-continue":
+        return _refuse(request, ApiError(417, f"unsupported expectation: Expect: {expect}"))
+    guard = request.app.get("guard")
+    too_large = declared_too_large(request, guard.config.limits.max_body_bytes) \
+        if guard is not None else None
+    if too_large is not None:
+        return _refuse(request, too_large)
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the 100 is not part of the response (as aiohttp does)
+    return None
+
+
+def _refuse(request: web.Request, err: ApiError) -> web.Response:
+    """``err`` in the route's shape, connection closed (the body is not read), counted in the
+    metrics and the access log like any answered request (it never reaches the middleware)."""
+    request["t0_ns"] = time.monotonic_ns()
+    resp = error_response(request.path, err)
+    resp.headers["X-Request-ID"] = request_id(request)
+    resp.force_close()
+    finished(request, request.app.get("gw"), err.status)
+    return resp
 
 
 def with_expect(routes: list[web.RouteDef]) -> list[web.RouteDef]:

@@ -61,7 +61,9 @@ def test_auth_config_errors():
     ("evil.com", False), ("8.8.8.8", False), ("localhost.evil.com", False),
     ("[2606:4700::1]:80", False), ("[fd00::5]:80", True), ("172.16.0.1", True), ("[::ffff:127.0.0.1]", True),
     # Go's IsPrivate, as Ollama: link-local and documentation addresses are not allowed
-    ("169.254.1.1", False), ("[fe80::1]", False), ("[2001:db8::1]:80", False), ("100.64.0.1", False)])
+    ("169.254.1.1", False), ("[fe80::1]", False), ("[2001:db8::1]:80", False), ("100.64.0.1", False),
+    # an IPv6 zone (RFC 6874 "%25", or a bare "%") does not change the address
+    ("[::1%25lo]:11434", True), ("[fe80::1%eth0]", False), ("[fd00::5%25eth0]", True)])
 def test_allowed_host(host, ok):
     assert allowed_host(host) is ok
 
@@ -84,3 +86,5 @@ def test_own_interface_addresses_are_allowed():
     assert "127.0.0.1" in own
     for a in own:
         assert allowed_host(f"[{a}]:11434" if ":" in a else f"{a}:11434"), a
+        if ":" in a:
+            assert allowed_host(f"[{a}%25eth0]:11434"), a

@@ -146,14 +146,18 @@ def test_a_number_yaml_read_as_text_is_named_as_such():
     assert errors_of(data) == [
         'scheduler.kv_weight: expected a number >= 0, got the text "0.5" (YAML reads a quoted '
         "number, and an exponent without a dot such as 1e-3, as text: write the number unquoted, "
-        "e.g. 0.001 or 1.0e-3)",
+        "e.g. 10, 0.001 or 1.0e-3)",
         'scheduler.prefill_weight: expected a number >= 0, got the text "1e-3" (YAML reads a '
         "quoted number, and an exponent without a dot such as 1e-3, as text: write the number "
-        "unquoted, e.g. 0.001 or 1.0e-3)",
+        "unquoted, e.g. 10, 0.001 or 1.0e-3)",
     ]
     assert parse_config(yaml.safe_load("models: [{name: demo, path: 'builtin:demo'}]\n"
                                        "scheduler: {prefill_weight: 1.0e-3}")
                         ).scheduler.prefill_weight == 0.001
+    # "inf" is text too, but no way of writing it is accepted: no hint
+    assert errors_of(yaml.safe_load("models: [{name: demo, path: 'builtin:demo'}]\n"
+                                    "scheduler: {kv_weight: inf}")) == [
+        'scheduler.kv_weight: expected a number >= 0, got "inf"']
 
 
 def test_str_prefixed_with_source(tmp_path):

@@ -43,6 +43,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     entry = gw.inventory.resolve(name)
     if entry is None:
         raise model_not_found_v1(name)
+    # As /api/chat and /api/generate (Ollama routes /v1 through them): an embedding model
+    # answers 400 "does not support chat|generate", not a generation.
+    await require(gw, entry, "chat" if required == "messages" else "generate", name)
     if required not in body:
         raise ApiError(400, f"{required} is required")
     if required == "messages":

@@ -107,6 +107,25 @@ def test_empty_string_in_a_batch_is_embedded_or_named(gw):
         {"model": "embed", "embeddings": []}
 
 
+def test_an_embedding_model_refuses_generation_on_every_api(gw):
+    """An ``embeddings: true`` model does not generate: /api/chat, /api/generate and their /v1
+    counterparts all answer 400 "does not support chat|generate" in their own shape, and
+    nothing reaches a worker (the /v1 routes used to generate text; found by a tester)."""
+    for path, body, text in [
+            ("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}, '"embed" does not support chat'),
+            ("/api/generate", {"prompt": "hi"}, '"embed" does not support generate'),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+             '"embed" does not support chat'),
+            ("/v1/completions", {"prompt": "hi"}, '"embed" does not support generate')]:
+        r = httpx.post(gw.url + path, json={"model": "embed", **body}, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert (err["message"] if path.startswith("/v1") else err) == text, (path, err)
+    oc = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        oc.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}])
+
+
 def test_a_batch_is_admitted_as_one_request(gateway_factory):
     """The queue bound counts requests, not inputs (Ollama's ``OLLAMA_MAX_QUEUE``): with one
     2-slot worker and one queue place, two concurrent 3-input batches both succeed, round after

@@ -99,6 +99,12 @@ def test_expect_100_continue_gets_413_instead_for_a_body_over_the_limit(limited)
     small = b'{"model": "demo"}'
     out = _raw_exchange(limited.port, head % len(small), small)
     assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"), out[:300]
+    # HTTP/1.0: the expectation is ignored (RFC 9110 §10.1.1), the request is served
+    out = _raw_exchange(limited.port, head.replace(b"HTTP/1.1", b"HTTP/1.0") % len(small) + small)
+    assert out.startswith(b"HTTP/1.1 200") or out.startswith(b"HTTP/1.0 200"), out[:300]
+    # another expectation: 417 in the route's JSON shape
+    out = _raw_exchange(limited.port, head.replace(b"100-continue", b"202-accept") % len(small))
+    assert out.startswith(b"HTTP/1.1 417") and b'"error"' in out, out[:300]
 
 
 def test_too_many_messages_400(limited):
