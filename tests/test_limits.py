@@ -98,3 +98,8 @@ def test_body_with_invalid_utf8_is_read_as_go_reads_it():
     assert loads_body('{"prompt": "café"}'.encode()) == {"prompt": "café"}
     with pytest.raises(orjson.JSONDecodeError):
         loads_body(b'{"prompt": ')
+    # lone surrogate escapes too (Go writes U+FFFD); a pair stays one character
+    assert loads_body(b'{"a": "ab\\ud800cd", "b": ["\\udc00"], "c": "\\ud83d\\ude00"}') == \
+        {"a": "ab\ufffdcd", "b": ["\ufffd"], "c": "\U0001F600"}
+    with pytest.raises(orjson.JSONDecodeError):  # NaN is not JSON, surrogate or not
+        loads_body(b'{"a": "\\ud800", "b": NaN}')

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import time
@@ -16,18 +17,40 @@ STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 
 
 def loads_body(raw: bytes):
-    """A request body's JSON value (orjson). Bytes that are not valid UTF-8 are read as U+FFFD,
-    as Go's ``encoding/json`` does under Ollama (a client that cut a multi-byte character is
-    answered, not refused). Raises ``orjson.JSONDecodeError`` for anything else that is not
-    JSON."""
+    """A request body's JSON value (orjson). Bytes that are not valid UTF-8, and ``\\u``
+    escapes of lone UTF-16 surrogates, are read as U+FFFD, as Go's ``encoding/json`` does under
+    Ollama (a client that cut a multi-byte character or an emoji's surrogate pair is answered,
+    not refused). Raises ``orjson.JSONDecodeError`` for anything else that is not JSON."""
     try:
         return orjson.loads(raw)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as e:
         try:
-            raw.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            return orjson.loads(raw.decode("utf-8", "replace"))
-        raise
+            return loads_body(raw.decode("utf-8", "replace").encode())
+        if "surrogate" not in str(e):
+            raise
+        try:  # the stdlib parser keeps lone surrogates in the strings; Go writes U+FFFD
+            return _no_lone_surrogates(json.loads(text, parse_constant=_not_json))
+        except ValueError:
+            raise e from None
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")  # NaN / Infinity: the stdlib takes them, JSON does not
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_lone_surrogates(value):
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_no_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_no_lone_surrogates(k): _no_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 async def read_json(request: web.Request) -> dict:

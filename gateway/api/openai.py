@@ -67,6 +67,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
             await require(gw, entry, "vision", name)
     if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
         raise ApiError(400, "stream must be a boolean")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ApiError(400, f"n must be an integer of at least 1, got {orjson.dumps(n).decode()}")
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (
             isinstance(stop, list) and all(isinstance(x, str) for x in stop))):

@@ -106,3 +106,17 @@ def test_case5_and_21_errors_are_openai_objects(gw, client):
         r = httpx.request(method, gw.url + path)
         assert r.status_code == status and r.headers["content-type"].startswith("application/json")
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_n_must_be_a_positive_integer(gw):
+    """``n`` as OpenAI takes it: an integer >= 1; true, 0, 2.5 and "2" are 400 in OpenAI's shape
+    before anything is forwarded (``true`` was taken as 1; found by a tester)."""
+    for n in (True, 0, 2.5, "2"):
+        for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "hi"})):
+            r = httpx.post(gw.url + path, json={"model": "demo", "max_tokens": 2, "n": n, **body},
+                           timeout=30)
+            assert r.status_code == 400 and "n must be an integer" in r.json()["error"]["message"], \
+                (n, path, r.text)
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2,
+                                                     "n": 2}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
