@@ -78,13 +78,19 @@ class Gateway:
         return None
 
     def context_per_slot(self, name: str) -> int:
-        """Real per-slot context (tokens) read back from a worker's ``/slots``, else configured."""
+        """Real per-slot context (tokens) read back from a worker's ``/slots``; before any worker
+        reported one, the configured context capped at the model's trained context (the GGUF's
+        ``<arch>.context_length``), as llama-server caps it (``check-config`` shows the same)."""
         if self.fleet:
             for s in self.fleet.supervisors.values():
                 if s.spec.alias == name and s.slots_n_ctx:
                     return int(s.slots_n_ctx)
         m = self.model_config(name)
-        return m.context if m else 0
+        if m is None:
+            return 0
+        entry = self.inventory.resolve(name) if self.inventory is not None else None
+        trained = entry.context_length if entry is not None else 0
+        return min(m.context, trained) if trained else m.context
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[gateway_middleware, guard_middleware],

@@ -43,3 +43,16 @@ def test_check_model_returns_the_entry_it_labels_the_request_with(gw):
     with pytest.raises(ApiError) as e:  # a model the key may not use
         Guard._check_model(make_mocked_request("POST", "/api/chat"), {"model": "other"}, key, gw)
     assert e.value.status == 403
+
+
+def test_context_per_slot_before_any_worker_is_capped_at_the_trained_context():
+    """Before a worker reports ``/slots``, the prompt-length check uses the configured context
+    capped at the model's trained context, as llama-server will (the demo model: 4096)."""
+    cfg = parse_config({"models": [{"name": "big", "path": "builtin:demo", "context": 100000},
+                                   {"name": "small", "path": "builtin:demo", "context": 1024}]})
+    g = Gateway(cfg)
+    path = ensure_demo_model()
+    g.inventory = Inventory([ModelEntry.load(m.full_name, path) for m in cfg.models])
+    trained = g.inventory.resolve("big").context_length
+    assert trained == 4096
+    assert g.context_per_slot("big:latest") == 4096 and g.context_per_slot("small:latest") == 1024
