@@ -496,6 +496,10 @@ class QueueConfig(_Section):
     retry_after_s: PositiveInt = 2
     """Seconds sent in the Retry-After header of 503 answers (the refusal for crash-loop
     ``failed`` workers sends the seconds to their next start instead)."""
+    header_priority: StrictBool = True
+    """Take a request's priority class from its ``X-Priority`` header (when its API key sets
+    none); false: only API keys and models set priorities, so a client cannot move itself
+    ahead of others."""
 
 
 class SchedulerConfig(_Section):

@@ -15,7 +15,8 @@ from gateway.middleware import Guard
 from workers.demo_model import ensure_demo_model
 
 # the gateway keeps its per-request fields under string keys (aiohttp suggests RequestKey)
-pytestmark = pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")
+pytestmark = [pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey"),
+              pytest.mark.filterwarnings("ignore:It is recommended to use web.AppKey")]
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +57,24 @@ def test_context_per_slot_before_any_worker_is_capped_at_the_trained_context():
     trained = g.inventory.resolve("big").context_length
     assert trained == 4096
     assert g.context_per_slot("big:latest") == 4096 and g.context_per_slot("small:latest") == 1024
+
+
+def test_x_priority_is_ignored_with_header_priority_false():
+    """``queue.header_priority: false``: a client's ``X-Priority`` no longer sets its class (the
+    model's default does); true (default): it does, and a bad value is a 400."""
+    from aiohttp import web
+
+    from gateway.api.common import make_ticket
+    for allowed, expect in ((True, 7), (False, 2)):
+        cfg = parse_config({"models": [{"name": "demo", "path": "builtin:demo", "priority": 2}],
+                            "queue": {"header_priority": allowed}})
+        app = web.Application()
+        app["gw"] = Gateway(cfg)
+        req = make_mocked_request("POST", "/api/chat", headers={"X-Priority": "7"}, app=app)
+        assert make_ticket(req, "demo:latest", 2, 60.0).priority == expect
+        bad = make_mocked_request("POST", "/api/chat", headers={"X-Priority": "high"}, app=app)
+        if allowed:
+            with pytest.raises(ApiError):
+                make_ticket(bad, "demo:latest", 2, 60.0)
+        else:
+            assert make_ticket(bad, "demo:latest", 2, 60.0).priority == 2

@@ -104,7 +104,8 @@ def request_id(request: web.Request) -> str:
 def make_ticket(request: web.Request, model: str, default_priority: int,
                 queue_timeout_s: float, est_tokens: int = 0, *, body: dict | None = None) -> Ticket:
     """A ticket for this request. The API key's priority (``auth.keys[].priority``) wins;
-    else ``X-Priority`` (integer) overrides the model's default class.
+    else ``X-Priority`` (integer; unless ``queue.header_priority`` is false) overrides the
+    model's default class.
 
     With ``body`` (the upstream request body), the ticket carries the fleet's size estimate
     (prompt tokens, KV tokens, prefix key, slots for ``n`` choices; ``gateway.sizing``). Raises
@@ -112,7 +113,10 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
     context (field case 4: refused before anything is forwarded) and for more choices than any
     worker has slots."""
     prio = request.get("key_priority", default_priority)
+    gw = request.app.get("gw")
     hdr = request.headers.get("X-Priority")
+    if gw is not None and not gw.config.queue.header_priority:
+        hdr = None  # queue.header_priority: false, the header is ignored
     if hdr is not None and "key_priority" not in request:
         try:
             prio = int(hdr)
@@ -120,7 +124,6 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
             raise ApiError(400, f"X-Priority must be an integer, got {hdr!r}") from None
     ticket = Ticket(request_id=request_id(request), model=model, priority=prio,
                     est_tokens=est_tokens, queue_timeout_s=queue_timeout_s)
-    gw = request.app.get("gw")
     fleet = getattr(gw, "fleet", None)
     if body is not None and fleet is not None:
         size = fleet.estimate(model, body)
