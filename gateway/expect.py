@@ -16,7 +16,6 @@ import time
 
 from aiohttp import web
 
-from gateway.api.common import request_id
 from gateway.api.errors import ApiError, error_response
 from gateway.limits import declared_too_large
 from gateway.middleware import finished
@@ -43,8 +42,7 @@ def _refuse(request: web.Request, err: ApiError) -> web.Response:
     """``err`` in the route's shape, connection closed (the body is not read), counted in the
     metrics and the access log like any answered request (it never reaches the middleware)."""
     request["t0_ns"] = time.monotonic_ns()
-    resp = error_response(request.path, err)
-    resp.headers["X-Request-ID"] = request_id(request)
+    resp = error_response(request.path, err)  # X-Request-ID: the app's prepare signal
     resp.force_close()
     finished(request, request.app.get("gw"), err.status)
     return resp

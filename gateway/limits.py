@@ -93,8 +93,7 @@ class _Decoder:
                     from None
             self.out += piece
             if len(self.out) > self.max_bytes:
-                raise ApiError(413, f"request body too large, the limit is {self.max_bytes} "
-                                    "bytes (decompressed)")
+                raise _too_large(self.max_bytes, " (decompressed)")
             # input zlib has not read yet: held back by max_length, or past the member's end
             data = self._z.unconsumed_tail or self._z.unused_data
 
@@ -103,6 +102,12 @@ class _Decoder:
             raise ApiError(400, f"request body is not valid {self.encoding} data: "
                                 "the compressed stream is incomplete")
         return bytes(self.out)
+
+
+def _too_large(max_bytes: int, what: str = "") -> ApiError:
+    """The 413 for a body found over ``max_bytes`` bytes while reading (``what``: e.g. the
+    " (decompressed)" note)."""
+    return ApiError(413, f"request body too large, the limit is {max_bytes} bytes{what}")
 
 
 def declared_too_large(request: web.Request, max_bytes: int) -> ApiError | None:
@@ -143,7 +148,7 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
         # without the read loop's timer (on the TTFT path of every request).
         data = content.read_nowait()
         if len(data) > max_bytes:
-            raise ApiError(413, f"request body too large, the limit is {max_bytes} bytes")
+            raise _too_large(max_bytes)
         return data
     decoder = _Decoder(encoding, max_bytes)
     received = 0
@@ -152,8 +157,7 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
             while chunk := await request.content.readany():
                 received += len(chunk)
                 if received > max_bytes:
-                    raise ApiError(413, f"request body too large, the limit is {max_bytes} "
-                                        "bytes")
+                    raise _too_large(max_bytes)
                 decoder.feed(chunk)
     except TimeoutError:
         raise ApiError(408, f"request body not received within {timeout_s:g} s") from None

@@ -55,7 +55,6 @@ async def gateway_middleware(request: web.Request, handler):
         # keep-alive connection at once, and close that connection.
         resp = _error(request.path, 503, SHUTTING_DOWN_MESSAGE,
                       {"Connection": "close", "Retry-After": "1"})
-        resp.headers["X-Request-ID"] = rid
         log.info("request.rejected_shutting_down", request_id=rid, path=request.path)
         return resp
     if gw is not None:
@@ -91,9 +90,7 @@ async def gateway_middleware(request: web.Request, handler):
     finally:
         if gw is not None:
             gw.inflight.pop(id(request), None)
-    if not resp.prepared:
-        resp.headers["X-Request-ID"] = rid
-    finished(request, gw, status)
+    finished(request, gw, status)  # X-Request-ID: gateway.app's on_response_prepare signal
     return resp
 
 

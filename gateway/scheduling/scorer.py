@@ -151,12 +151,13 @@ class LeastLoaded:
         self.index = PrefixIndex() if affinity_bound is not None else None
 
     def cost(self, w: WorkerView, ticket: Ticket) -> float:
-        c = (occupancy(w) + ticket.slots) / (w.slots * (w.speed if w.speed > 0 else 1.0))
+        speed = w.speed if w.speed > 0 else 1.0
+        c = (occupancy(w) + ticket.slots) / (w.slots * speed)
         if w.kv_capacity:
             need = ticket.est_tokens * ticket.slots
             c += self.kv_weight * min(1.0, (w.kv_used + need) / w.kv_capacity)
         if w.n_ctx and self.prefill_weight:
-            c += self.prefill_weight * w.prefill_backlog / (w.n_ctx * (w.speed if w.speed > 0 else 1.0))
+            c += self.prefill_weight * w.prefill_backlog / (w.n_ctx * speed)
         return c
 
     def within_bound(self, w: WorkerView, avg: float, least: int, held: int) -> bool:
