@@ -25,7 +25,7 @@ from gateway.scheduling.scorer import keep_prefix_index
 from gateway.sizing import SizeEstimate, estimate
 from gateway.upstream import Endpoint
 from workers.gpu import read_gpu_stats
-from workers.process import LaunchSpec, remove_state_dir
+from workers.process import QUIET_LOG_VERBOSITY, LaunchSpec, remove_state_dir
 from workers.supervisor import WorkerSupervisor
 from workers.telemetry import Sample, WorkerPoller
 
@@ -116,7 +116,9 @@ class Fleet:
                           model_path=self.model_paths[plan.model], alias=plan.model,
                           gpus=plan.gpus, slots=plan.slots, context_per_slot=plan.context,
                           threads=threads if plan.is_cpu else None,
-                          embeddings=mcfg.embeddings, extra_args=args)
+                          embeddings=mcfg.embeddings, extra_args=args,
+                          log_verbosity=None if self.config.log.level == "debug"
+                          else QUIET_LOG_VERBOSITY)
         sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
                                on_state=self._on_state,
                                startup_timeout_s=ls.startup_timeout_s,

@@ -39,6 +39,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+LOG_VERBOSITY_ENV = "LLAMA_ARG_LOG_VERBOSITY"
+"""llama-server's ``--log-verbosity`` as an environment variable (pinned build, common/arg.cpp;
+read before the command line, so ``-lv`` in ``args`` wins; older builds ignore it).
+
+:data:`QUIET_LOG_VERBOSITY` (2, warnings: ``LOG_LEVEL_WARN`` in common/log.h) keeps
+llama-server's per-request info lines (slot selection, launch, timings, release: about nine
+per request) from being written at all. The gateway logs those lines only at debug
+(:meth:`WorkerProcess._emit`), so unless its own level is debug it would read and drop each
+one, a wakeup of its event loop during the request."""
+
+QUIET_LOG_VERBOSITY = 2
+
 IDLE_SLOTS_ENV = "LLAMA_ARG_CACHE_IDLE_SLOTS"
 """Workers run with ``--no-cache-idle-slots``, given as this environment variable (pinned
 build, common/arg.cpp: read before the command line, so an operator's ``--cache-idle-slots``
@@ -70,6 +82,8 @@ class LaunchSpec:
         threads: ``-t`` or None to let llama-server decide.
         embeddings: pass ``--embeddings``.
         extra_args: appended last (operator's args win).
+        log_verbosity: llama-server's ``--log-verbosity``, given as :data:`LOG_VERBOSITY_ENV`,
+            or None for its default (3, info: about nine lines per request).
     """
 
     worker_id: str
@@ -82,6 +96,7 @@ class LaunchSpec:
     threads: int | None = None
     embeddings: bool = False
     extra_args: list[str] = field(default_factory=list)
+    log_verbosity: int | None = None
 
     def argv(self, port: int) -> list[str]:
         args = [str(self.binary), "-m", str(self.model_path), "--host", "127.0.0.1",
@@ -96,10 +111,13 @@ class LaunchSpec:
 
     def env(self, api_key: str) -> dict[str, str]:
         """The worker's environment: the gateway's, plus ``CUDA_VISIBLE_DEVICES``, the per-start
-        key, the binary's library folder, and ``LLAMA_ARG_CACHE_IDLE_SLOTS=0`` unless the
-        environment already sets it (see :data:`IDLE_SLOTS_ENV`)."""
+        key, the binary's library folder, and ``LLAMA_ARG_CACHE_IDLE_SLOTS=0`` (see
+        :data:`IDLE_SLOTS_ENV`) and the log verbosity (:data:`LOG_VERBOSITY_ENV`) unless the
+        environment already sets them."""
         env = dict(os.environ)
         env.setdefault(IDLE_SLOTS_ENV, "0")
+        if self.log_verbosity is not None:
+            env.setdefault(LOG_VERBOSITY_ENV, str(self.log_verbosity))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
         # The per-start key travels in the environment (readable by this user only via
         # /proc/PID/environ), not on the command line that every local user can read.

@@ -228,6 +228,11 @@ def test_access_log_one_event_per_request(gateway):
     assert e["status"] == 200 and e["model"] == "demo:latest" and e["priority"] == 3
     assert e["worker"] in ("demo-cpu0", "demo-cpu1") and e["eval_count"] == 5
     assert e["ttft_ms"] > 0 and e["queue_wait_ms"] >= 0 and e["ms"] >= e["ttft_ms"]
+    # At log level info the workers write no per-request info lines (workers/process.py
+    # QUIET_LOG_VERBOSITY): the variable is in each worker's environment.
+    for w in gateway.workers():
+        env = Path(f"/proc/{w['pid']}/environ").read_bytes().split(b"\0")
+        assert b"LLAMA_ARG_LOG_VERBOSITY=2" in env
 
 
 def _chromium() -> str | None:

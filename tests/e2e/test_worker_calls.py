@@ -174,6 +174,10 @@ def test_overflow_generate_is_refused_at_once_without_a_side_call(gateway_factor
     time.sleep(0.3)  # the log is written by the gateway process
     assert "/apply-template" in _side_calls(gw.log_path, "overflow-control")
     assert _side_calls(gw.log_path, "overflow-probe") == []
+    # At log level debug the workers run at llama-server's default verbosity: their per-request
+    # info lines (here, a slot launching a task) reach the gateway's log.
+    assert '"worker.output"' in gw.log_path.read_text()
+    assert "launch_slot_" in gw.log_path.read_text()
 
 
 def test_a_full_queue_refuses_long_prompts_and_embed_truncation_before_any_side_call(

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from workers.process import LaunchSpec, WorkerProcess, reap_stale_workers
+from workers.process import QUIET_LOG_VERBOSITY, LaunchSpec, WorkerProcess, reap_stale_workers
 from workers.provision import ensure_llama_server
 
 
@@ -41,10 +41,22 @@ def test_env_turns_idle_slot_caching_off_unless_the_operator_set_it(monkeypatch)
     assert spec().env("k")["LLAMA_ARG_CACHE_IDLE_SLOTS"] == "1"
 
 
+def test_env_sets_log_verbosity_when_given_unless_the_operator_set_it(monkeypatch):
+    monkeypatch.delenv("LLAMA_ARG_LOG_VERBOSITY", raising=False)
+    assert "LLAMA_ARG_LOG_VERBOSITY" not in spec().env("k")
+    assert spec(log_verbosity=QUIET_LOG_VERBOSITY).env("k")["LLAMA_ARG_LOG_VERBOSITY"] == "2"
+    monkeypatch.setenv("LLAMA_ARG_LOG_VERBOSITY", "4")
+    assert spec(log_verbosity=QUIET_LOG_VERBOSITY).env("k")["LLAMA_ARG_LOG_VERBOSITY"] == "4"
+
+
 @pytest.mark.slow
-def test_worker_errors_reach_the_log_as_errors(tmp_path):
-    """A real llama-server on a missing model exits; its 'E' lines are logged at error level."""
-    s = spec(binary=ensure_llama_server(), model_path=tmp_path / "missing.gguf", gpus=())
+@pytest.mark.parametrize("verbosity", [None, QUIET_LOG_VERBOSITY])
+def test_worker_errors_reach_the_log_as_errors(tmp_path, monkeypatch, verbosity):
+    """A real llama-server on a missing model exits; its 'E' lines are logged at error level,
+    also at the quiet verbosity, which leaves out its info ('I') lines."""
+    monkeypatch.delenv("LLAMA_ARG_LOG_VERBOSITY", raising=False)
+    s = spec(binary=ensure_llama_server(), model_path=tmp_path / "missing.gguf", gpus=(),
+             log_verbosity=verbosity)
 
     async def run():
         p = WorkerProcess(s, state_dir=tmp_path / "run")
@@ -58,6 +70,8 @@ def test_worker_errors_reach_the_log_as_errors(tmp_path):
     assert rc != 0
     errors = [e for e in logs if e["event"] == "worker.output" and e["log_level"] == "error"]
     assert any("failed to load model" in e["line"] for e in errors), logs[-5:]
+    info = [e for e in logs if e["event"] == "worker.output" and e["line"].split(" ")[1:2] == ["I"]]
+    assert (len(info) == 0) == (verbosity == QUIET_LOG_VERBOSITY), info[:3]
     assert not (tmp_path / "run" / "m-gpu1.pid").exists()
 
 
