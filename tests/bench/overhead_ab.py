@@ -4,9 +4,16 @@ Each tree (a checkout, e.g. ``git worktree add /tmp/base <commit>``) runs its ow
 one real worker (demo model, 2 slots, ``-t 1``); the script alternates, request by request,
 direct-to-worker and through-the-gateway streams of 16 tokens for every tree, so machine load
 hits all series alike. It prints, per tree, TTFT p50 direct, through the gateway, and the
-difference (ms). Speed is measured, never asserted.
+difference (ms), and the gateway process's CPU time (user + system, from /proc via psutil)
+over the measured rounds divided by their requests (ms; includes its background polling of the
+worker). Speed is measured, never asserted.
 
-Run: ``flock /tmp/bench.lock .venv/bin/python tests/bench/overhead_ab.py /tmp/base . [-n 300]``
+``--pin`` puts the workers on the last CPU and this script and the gateways on the others, as
+on a GPU server, where the gateway does not share its cores with the model's compute (the
+default leaves placement to the kernel: on a small CPU-only machine the gateway then competes
+with the worker's threads).
+
+Run: ``flock /tmp/bench.lock .venv/bin/python tests/bench/overhead_ab.py /tmp/base . [-n 300] [--pin]``
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +43,11 @@ def ttft(client: httpx.Client, url: str, body: dict, headers: dict | None = None
             if line and first is None:
                 first = time.perf_counter() - t0
     return first
+
+
+def _cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def start(root: Path, tmp: Path, i: int) -> tuple[subprocess.Popen, str]:
@@ -66,32 +79,43 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trees", nargs="+", type=Path)
     ap.add_argument("-n", type=int, default=300)
+    ap.add_argument("--pin", action="store_true", help="workers on the last CPU, the rest elsewhere")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="overhead-ab-"))
     gws = [start(root.resolve(), tmp, i) for i, root in enumerate(a.trees)]
     gbody = {"model": "demo", "prompt": "hello there", "raw": True, "options": {"num_predict": 16}}
     dbody = {"prompt": "hello there", "n_predict": 16, "stream": True}
+    cpus = sorted(psutil.Process().cpu_affinity())
+    if a.pin and len(cpus) < 2:
+        raise SystemExit("--pin needs at least 2 CPUs")
     try:
         targets = []
         for proc, url in gws:
             w = ready_worker(url)
+            if a.pin:
+                for pid, mask in ((w["pid"], cpus[-1:]), (proc.pid, cpus[:-1]), (None, cpus[:-1])):
+                    psutil.Process(pid).cpu_affinity(mask)  # None: this script
             targets.append((f"http://127.0.0.1:{w['port']}/completion",
                             {"Authorization": f"Bearer {worker_key(w['pid'])}"},
                             url + "/api/generate"))
         res = [([], []) for _ in targets]
+        cpu = [0.0 for _ in targets]
         with httpx.Client(timeout=60) as c:
             for i in range(a.n + 30):  # 30 warm-up rounds; order alternates every round
+                if i == 30:
+                    cpu = [_cpu_s(proc.pid) for proc, _ in gws]
                 order = list(enumerate(targets))
                 for k, (durl, key, gurl) in (order if i % 2 else order[::-1]):
                     d, g = ttft(c, durl, dbody, key), ttft(c, gurl, gbody)
                     if i >= 30:
                         res[k][0].append(d)
                         res[k][1].append(g)
-        print("| tree | TTFT p50 direct (ms) | TTFT p50 gateway (ms) | added (ms) |")
-        print("|---|---:|---:|---:|")
-        for root, (d, g) in zip(a.trees, res):
+        cpu = [_cpu_s(proc.pid) - c0 for (proc, _), c0 in zip(gws, cpu)]
+        print("| tree | TTFT p50 direct (ms) | TTFT p50 gateway (ms) | added (ms) | gateway CPU per request (ms) |")
+        print("|---|---:|---:|---:|---:|")
+        for root, (d, g), c_s in zip(a.trees, res, cpu):
             md, mg = statistics.median(d) * 1e3, statistics.median(g) * 1e3
-            print(f"| `{root}` | {md:.3f} | {mg:.3f} | {mg - md:+.3f} |")
+            print(f"| `{root}` | {md:.3f} | {mg:.3f} | {mg - md:+.3f} | {c_s / a.n * 1e3:.3f} |")
     finally:
         for proc, _ in gws:
             proc.terminate()
