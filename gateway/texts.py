@@ -6,6 +6,15 @@ CONTEXT_OVERFLOW_MESSAGE = ("the prompt is longer than the context length curren
                             "a model with a longer context length")
 
 
+def header_text(value: str) -> str:
+    """A request header's value made safe to show in an error text or a log: ``value`` is what
+    aiohttp's parser gives (bytes that are not UTF-8 decoded as surrogate escapes, e.g.
+    ``\\udce9`` for a Latin-1 ``é``), returned with each such byte written ``\\xNN``
+    (``caf\\xe9.com``), as Go's ``%q`` under Ollama shows them; valid UTF-8 stays as it is.
+    The result encodes as UTF-8 (a raw surrogate made orjson refuse the error body)."""
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def context_overflow(prompt_tokens: int, n_ctx: int, approx: bool = False) -> str:
     """Ollama's over-long-prompt text plus the numbers (tokens): one message for every place
     that finds it (the exact /tokenize check, the scheduler's estimate, the worker's own 400)."""

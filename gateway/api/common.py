@@ -12,6 +12,7 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.scheduling import Ticket, TooLarge, TooManySlots
+from gateway.texts import header_text
 
 STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 
@@ -121,7 +122,7 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
         try:
             prio = int(hdr)
         except ValueError:
-            raise ApiError(400, f"X-Priority must be an integer, got {hdr!r}") from None
+            raise ApiError(400, f"X-Priority must be an integer, got '{header_text(hdr)}'") from None
     ticket = Ticket(request_id=request_id(request), model=model, priority=prio,
                     est_tokens=est_tokens, queue_timeout_s=queue_timeout_s)
     fleet = getattr(gw, "fleet", None)

@@ -1,8 +1,9 @@
-"""Helpers shared by the compatibility e2e tests (configs, worker metrics)."""
+"""Helpers shared by the compatibility e2e tests (configs, worker metrics, raw HTTP)."""
 
 from __future__ import annotations
 
 import re
+import socket
 
 import httpx
 
@@ -52,3 +53,19 @@ def nearest(vec: list[float], refs: dict) -> object:
         return sum(x * y for x, y in zip(a, b)) / (
             (sum(x * x for x in a) ** 0.5) * (sum(y * y for y in b) ** 0.5))
     return max(refs, key=lambda k: cos(vec, refs[k]))
+
+
+def raw_exchange(port: int, head: bytes, body: bytes = b"", wait_s: float = 5.0) -> bytes:
+    """Send ``head``; after a first answer (or at once without one) send ``body``; all read."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:
+        s.sendall(head)
+        first = s.recv(65536)
+        if body and first.startswith(b"HTTP/1.1 100"):
+            s.sendall(body)
+        rest = b""
+        try:
+            while chunk := s.recv(65536):
+                rest += chunk
+        except socket.timeout:
+            pass
+    return first + rest
