@@ -6,6 +6,7 @@ import re
 import socket
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import worker_key
 
@@ -28,6 +29,20 @@ def embed_model(name: str = "embed", cpu: int = 1, context: int = 256) -> dict:
     """The demo model served for embeddings. Its GGUF names no pooling type; the gateway adds
     ``--pooling mean`` for an embedding demo model by itself (gateway/fleet.py)."""
     return model(name, embeddings=True, cpu=cpu, context=context)
+
+
+def gateway_requests_total(url: str, endpoint: str, model: str, status: int,
+                           token: str | None = None) -> float:
+    """The gateway's ``llama_gateway_requests_total`` of one label set (0 when absent), scraped
+    from ``/metrics`` (with ``token`` as Bearer credential when given)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    want = {"endpoint": endpoint, "model": model, "status": str(status)}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "llama_gateway_requests_total" and s.labels == want:
+                return s.value
+    return 0.0
 
 
 def worker_metrics(worker: dict) -> dict[str, float]:

@@ -11,11 +11,10 @@ import httpx
 import ollama
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.auth import hash_key
 from tests.conftest import base_config, free_port
-from tests.e2e.compat_helpers import raw_exchange
+from tests.e2e.compat_helpers import gateway_requests_total, raw_exchange
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +24,7 @@ ADMIN_TOKEN = "admin-token-0"
 
 def requests_total(url: str, endpoint: str, model: str, status: int) -> float:
     """``llama_gateway_requests_total`` of one label set, scraped with the admin token."""
-    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).text
-    want = {"endpoint": endpoint, "model": model, "status": str(status)}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "llama_gateway_requests_total" and s.labels == want:
-                return s.value
-    return 0.0
+    return gateway_requests_total(url, endpoint, model, status, token=ADMIN_TOKEN)
 
 
 @pytest.fixture(scope="module")

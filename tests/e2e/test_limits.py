@@ -14,7 +14,7 @@ import pytest
 
 from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
 from tests.conftest import base_config, free_port
-from tests.e2e.compat_helpers import raw_exchange
+from tests.e2e.compat_helpers import gateway_requests_total, raw_exchange
 from tests.e2e.test_watchdog import wait_for
 
 pytestmark = pytest.mark.slow
@@ -71,16 +71,13 @@ def test_expect_100_continue_gets_413_instead_for_a_body_over_the_limit(limited)
     and its answer."""
     head = (b"POST /api/show HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Expect: 100-continue\r\nConnection: close\r\nContent-Length: %d\r\n\r\n")
+    counted = {s: gateway_requests_total(limited.url, "/api/show", "", s) for s in (413, 417)}
     out = raw_exchange(limited.port, head % 999_999_999)
     assert out.startswith(b"HTTP/1.1 413"), out[:300]
     assert b"100 Continue" not in out and b"request body too large" in out
     # counted and logged like any answered request (it never reaches the middleware)
-    done = [json.loads(ln) for ln in limited.log_path.read_text().splitlines()
-            if '"request.done"' in ln and '"status": 413' in ln]
-    assert any(ev["path"] == "/api/show" for ev in done), done
-    metrics = httpx.get(limited.url + "/metrics", timeout=10).text
-    assert any(ln.startswith("llama_gateway_requests_total{") and 'status="413"' in ln
-               for ln in metrics.splitlines()), metrics[:2000]
+    assert gateway_requests_total(limited.url, "/api/show", "", 413) == counted[413] + 1
+    assert done_events(limited, 413) == 1
     small = b'{"model": "demo"}'
     out = raw_exchange(limited.port, head % len(small), small)
     assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"), out[:300]
@@ -90,6 +87,14 @@ def test_expect_100_continue_gets_413_instead_for_a_body_over_the_limit(limited)
     # another expectation: 417 in the route's JSON shape
     out = raw_exchange(limited.port, head.replace(b"100-continue", b"202-accept") % len(small))
     assert out.startswith(b"HTTP/1.1 417") and b'"error"' in out, out[:300]
+    assert gateway_requests_total(limited.url, "/api/show", "", 417) == counted[417] + 1
+    assert done_events(limited, 417) == 1
+
+
+def done_events(gw, status: int) -> int:
+    """``request.done`` events of ``POST /api/show`` with ``status`` in ``gw``'s log."""
+    return sum(1 for ln in gw.log_path.read_text().splitlines() if '"request.done"' in ln
+               and (ev := json.loads(ln))["status"] == status and ev["path"] == "/api/show")
 
 
 def test_too_many_messages_400(limited):
