@@ -109,10 +109,10 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
     model's default class.
 
     With ``body`` (the upstream request body), the ticket carries the fleet's size estimate
-    (prompt tokens, KV tokens, prefix key, slots for ``n`` choices; ``gateway.sizing``). Raises
-    ApiError(400) for a bad ``X-Priority``, for a prompt that cannot fit any worker's per-slot
-    context (field case 4: refused before anything is forwarded) and for more choices than any
-    worker has slots."""
+    (prompt tokens, KV tokens, prefix key, slots for ``n`` choices of each of its prompts;
+    ``gateway.sizing``). Raises ApiError(400) for a bad ``X-Priority``, for a prompt that cannot
+    fit any worker's per-slot context (field case 4: refused before anything is forwarded) and
+    for more choices (times prompts) than any worker has slots."""
     prio = request.get("key_priority", default_priority)
     gw = request.app.get("gw")
     hdr = request.headers.get("X-Priority")
@@ -131,7 +131,7 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
         ticket.prompt_tokens, ticket.est_tokens = size.prompt_tokens, size.est_tokens
         ticket.prefill_tokens = size.prefill_tokens
         ticket.prefix_key, ticket.prefix_chain = size.prefix_key, size.prefix_chain
-        ticket.slots = size.slots
+        ticket.slots, ticket.prompts = size.slots, size.prompts
         try:
             gw.dispatcher.check_fits(ticket)
         except (TooLarge, TooManySlots) as e:
