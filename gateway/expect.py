@@ -19,6 +19,7 @@ from aiohttp import web
 from gateway.api.errors import ApiError, error_response
 from gateway.limits import declared_too_large
 from gateway.middleware import finished
+from gateway.texts import header_text
 
 
 async def expect_handler(request: web.Request) -> web.StreamResponse | None:
@@ -27,7 +28,8 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
     if request.version < (1, 1):
         return None
     if expect.lower() != "100-continue":
-        return _refuse(request, ApiError(417, f"unsupported expectation: Expect: {expect}"))
+        return _refuse(request, ApiError(
+            417, f"unsupported expectation: Expect: {header_text(expect)}"))
     guard = request.app.get("guard")
     too_large = declared_too_large(request, guard.config.limits.max_body_bytes) \
         if guard is not None else None

@@ -26,6 +26,7 @@ from gateway.api.errors import ApiError, context_overflow
 from gateway.logs import get_logger
 from gateway.scheduling import Unavailable
 from gateway.sizing import content_text
+from gateway.texts import header_text
 from gateway.upstream import UpstreamError
 from gateway.worker_calls import tokenize
 
@@ -136,8 +137,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     encoding = ", ".join(v.strip() for v in request.headers.getall("Content-Encoding", ())
                          if v.strip()).lower() or "identity"
     if encoding not in BODY_ENCODINGS:
-        raise ApiError(415, f"unsupported Content-Encoding {encoding!r}: the gateway accepts "
-                            "gzip, deflate or an uncompressed body",
+        raise ApiError(415, f"unsupported Content-Encoding '{header_text(encoding)}': the gateway "
+                            "accepts gzip, deflate or an uncompressed body",
                        {"Accept-Encoding": "gzip, deflate"})
     declared = declared_too_large(request, max_bytes)
     if declared is not None:

@@ -24,7 +24,7 @@ from gateway.api.common import request_id
 from gateway.api.errors import ApiError, error_response, model_not_found_v1
 from gateway.auth import is_admin_token
 from gateway.logs import get_logger
-from gateway.texts import SHUTTING_DOWN_MESSAGE
+from gateway.texts import SHUTTING_DOWN_MESSAGE, header_text
 from gateway.upstream import current_request
 
 if TYPE_CHECKING:
@@ -164,8 +164,9 @@ class Guard:
             # not the Host header (RFC 9112 §3.2.2), and so does Go's server under Ollama.
             host = request.host
         if not self.hosts.ok(host):
-            log.warning("request.host_refused", host=host, path=path)
-            raise ApiError(403, f"host {host!r} is not allowed")
+            shown = header_text(host)
+            log.warning("request.host_refused", host=shown, path=path)
+            raise ApiError(403, f"host '{shown}' is not allowed")
         if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
             hdrs = self.cors.headers(request.headers.get("Origin"), preflight=True)
             if not hdrs:

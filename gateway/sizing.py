@@ -15,7 +15,9 @@ bytes and at its end), with the estimated tokens up to there: the next turn of a
 repeats the previous turn's prompt, so its chain contains the previous turn's last key, and the
 scorer finds the worker that served it (prefix affinity, gateway/scheduling/scorer.py).
 
-A ``/v1`` request with ``n`` choices occupies ``n`` slots of its worker (``choices``).
+A ``/v1`` request with ``n`` choices occupies ``n`` slots of its worker (``choices``); a
+``/v1/completions`` with several prompts (``prompt`` a list of strings or of token lists)
+occupies one slot per prompt and choice (``prompt_count`` × ``choices``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ class SizeEstimate:
     est_tokens: KV tokens the request may occupy (prompt + generation);
     prefix_key: 64-bit hash of the prompt head, None when there is no prompt;
     prefix_chain: (64-bit key, estimated tokens) at each prompt boundary, shortest first;
-    slots: slots the request takes on its worker (``choices``), each holding ``est_tokens``."""
+    slots: slots the request takes on its worker (``prompt_count`` × ``choices``), each holding
+    ``est_tokens``; prompts: of those, the prompts (``prompt_count``; slots / prompts choices each).
+    With several prompts, ``prompt_tokens`` is the largest one's (each must fit a slot),
+    ``prefill_tokens`` their sum (llama-server computes each prompt once, its choices share it)
+    and ``est_tokens`` the mean per prompt (so ``est_tokens`` × ``slots`` covers them all)."""
 
     prompt_tokens: int
     est_tokens: int
@@ -48,6 +54,7 @@ class SizeEstimate:
     prefix_chain: Chain = ()
     prefill_tokens: int = 0
     slots: int = 1
+    prompts: int = 1
 
 
 def choices(body: dict) -> int:
@@ -62,6 +69,31 @@ def choices(body: dict) -> int:
     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 1:
         return int(v)
     return 1
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def prompts_of(body: dict) -> list | None:
+    """The prompts llama-server runs for an upstream ``/v1/completions`` body, one task (times
+    ``choices``) each: its ``prompt`` when that is a non-empty list with no integer at its top
+    level (a list of strings, of token lists, or of multimodal objects), else None (one prompt:
+    a string, a token list, a mixed list of strings and tokens; tools/server/server-common.cpp
+    ``tokenize_input_prompts``). A chat body (``messages``) has one prompt, its template's."""
+    p = body.get("prompt")
+    if isinstance(body.get("messages"), list):
+        return None
+    if isinstance(p, list) and p and not any(_is_int(e) for e in p):
+        return p
+    return None
+
+
+def prompt_count(body: dict) -> int:
+    """Tasks llama-server starts per choice for an upstream body: ``len(prompts_of(body))``,
+    else 1."""
+    several = prompts_of(body)
+    return len(several) if several is not None else 1
 
 
 def prefix_chain(parts: Iterable[tuple[bytes, int]]) -> Chain:
@@ -116,7 +148,7 @@ def _chain_parts(body: dict, bytes_per_token: float, prefix_bytes: int) -> list[
     if isinstance(prompt, str):
         data, per = prompt.encode(), 1 / bytes_per_token
         first = prefix_bytes
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         data, per = prompt, 1.0
         first = max(1, math.ceil(prefix_bytes / bytes_per_token))
     else:
@@ -145,26 +177,46 @@ def prompt_head_and_size(body: dict) -> tuple[bytes, int]:
     if isinstance(prompt, str):
         b = prompt.encode()
         return b, len(b)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return repr(prompt[:256]).encode(), -len(prompt)  # negative: already tokens
     return b"", 0
+
+
+def _prompt_tokens(size: int, bytes_per_token: float) -> tuple[int, int]:
+    """(estimated tokens, tokens for the up-front refusal) of ``prompt_head_and_size``'s size
+    (bytes, or tokens when negative)."""
+    if size < 0:
+        return -size, -size
+    return (math.ceil(size / bytes_per_token),
+            math.floor(size / (bytes_per_token * REFUSE_SAFETY)))
 
 
 def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
              unknown_num_predict: int, n_ctx: int = 0) -> SizeEstimate:
     """Size estimate of one upstream request body. ``n_predict`` / ``max_tokens`` /
     ``max_completion_tokens`` give the generation budget; when absent or < 0,
-    ``unknown_num_predict`` tokens are assumed (capped by ``n_ctx`` if known)."""
-    flat, size = prompt_head_and_size(body)
-    if size < 0:
-        prompt = -size
-        refuse = prompt
-    else:
-        prompt = math.ceil(size / bytes_per_token)
-        refuse = math.floor(size / (bytes_per_token * REFUSE_SAFETY))
+    ``unknown_num_predict`` tokens are assumed (capped by ``n_ctx`` if known).
+
+    Several prompts (``prompts_of``): each string or token list is sized as a prompt of its
+    own (other kinds count 0 tokens: the worker still refuses one too long); the estimate
+    combines them as :class:`SizeEstimate` says, with no prefix key (one prompt in a list is
+    sized and keyed as that prompt)."""
+    several = prompts_of(body)
+    if several is not None and len(several) == 1:
+        body, several = {**body, "prompt": several[0]}, None
     gen = body.get("n_predict", body.get("max_tokens", body.get("max_completion_tokens")))
     if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
         gen = unknown_num_predict
+    if several is not None:
+        sizes = [_prompt_tokens(prompt_head_and_size({"prompt": p})[1], bytes_per_token)
+                 for p in several]
+        kv = [min(t + gen, n_ctx) if n_ctx else t + gen for t, _ in sizes]
+        return SizeEstimate(prompt_tokens=max(r for _, r in sizes),
+                            est_tokens=math.ceil(sum(kv) / len(kv)), prefix_key=None,
+                            prefill_tokens=sum(t for t, _ in sizes),
+                            slots=len(several) * choices(body), prompts=len(several))
+    flat, size = prompt_head_and_size(body)
+    prompt, refuse = _prompt_tokens(size, bytes_per_token)
     est = prompt + gen
     if n_ctx:
         est = min(est, n_ctx)

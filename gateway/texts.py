@@ -6,6 +6,15 @@ CONTEXT_OVERFLOW_MESSAGE = ("the prompt is longer than the context length curren
                             "a model with a longer context length")
 
 
+def header_text(value: str) -> str:
+    """A request header's value made safe to show in an error text or a log: ``value`` is what
+    aiohttp's parser gives (bytes that are not UTF-8 decoded as surrogate escapes, e.g.
+    ``\\udce9`` for a Latin-1 ``é``), returned with each such byte written ``\\xNN``
+    (``caf\\xe9.com``), as Go's ``%q`` under Ollama shows them; valid UTF-8 stays as it is.
+    The result encodes as UTF-8 (a raw surrogate made orjson refuse the error body)."""
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def context_overflow(prompt_tokens: int, n_ctx: int, approx: bool = False) -> str:
     """Ollama's over-long-prompt text plus the numbers (tokens): one message for every place
     that finds it (the exact /tokenize check, the scheduler's estimate, the worker's own 400)."""
@@ -14,9 +23,15 @@ def context_overflow(prompt_tokens: int, n_ctx: int, approx: bool = False) -> st
             f"context per slot: {n_ctx} tokens)")
 
 
-def too_many_choices(slots: int, max_slots: int) -> str:
+def too_many_choices(slots: int, max_slots: int, prompts: int = 1) -> str:
     """A ``/v1`` request whose ``n`` (choices generated side by side, one slot each on one
-    worker) exceeds the slots of every worker of its model."""
+    worker), times its ``prompts`` (a ``/v1/completions`` with a list of prompts runs ``n`` for
+    each), exceeds the slots of every worker of its model."""
+    if prompts > 1:
+        return (f"{prompts} prompts with n = {slots // prompts} ask for {slots} completions at "
+                f"once, each taking a slot of the same worker, but the workers of this model "
+                f"have at most {max_slots} slots; send at most {max_slots} prompts times n per "
+                f"request (or raise the model's slots in the gateway config)")
     return (f"n = {slots} asks for {slots} choices at once, each taking a slot of the same "
             f"worker, but the workers of this model have at most {max_slots} slots; ask for at "
             f"most {max_slots} (or raise the model's slots in the gateway config)")

@@ -1,6 +1,6 @@
 """Request size estimates and prefix keys (gateway.sizing)."""
 
-from gateway.sizing import REFUSE_SAFETY, choices, estimate
+from gateway.sizing import REFUSE_SAFETY, choices, estimate, prompt_count
 
 
 def est(body, **kw):
@@ -76,3 +76,26 @@ def test_choices_is_the_slot_count_llama_server_runs_side_by_side():
     body = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 5}
     est = estimate(body, bytes_per_token=4.0, prefix_bytes=512, unknown_num_predict=100)
     assert est.slots == 3 and est.est_tokens < 100  # the estimate is per choice (each slot)
+
+
+def test_several_prompts_take_a_slot_each_times_n():
+    """llama-server runs one task per prompt of a list with no integer at its top level
+    (strings, token lists), times ``n``; a list with an integer is one prompt
+    (tools/server/server-common.cpp ``tokenize_input_prompts``). The estimate covers every
+    prompt: the largest must fit a slot, each is computed once, and ``est_tokens`` × ``slots``
+    is the KV of all the tasks."""
+    assert prompt_count({"prompt": ["a", "b", "c"]}) == 3
+    assert prompt_count({"prompt": [[1, 2], [3]]}) == 2
+    for one in ([1, 2, 3], ["a", 1], "abc", [], None):
+        assert prompt_count({"prompt": one}) == 1
+    assert prompt_count({"messages": [{"role": "user", "content": "hi"}], "prompt": ["a", "b"]}) == 1
+    e = est({"prompt": ["x" * 200, "x" * 40, list(range(30))], "n": 2, "max_tokens": 10})
+    assert (e.slots, e.prompts) == (6, 3)
+    assert e.prompt_tokens == int(200 / (2.0 * REFUSE_SAFETY))  # the largest one
+    assert e.prefill_tokens == 100 + 20 + 30
+    assert e.est_tokens * e.slots == 2 * ((100 + 10) + (20 + 10) + (30 + 10))
+    capped = est({"prompt": ["x" * 200, "x" * 40], "max_tokens": 10}, n_ctx=50)
+    assert capped.est_tokens == (50 + 30) // 2  # each task's KV is capped at the slot context
+    # one prompt in a list is that prompt
+    assert est({"prompt": ["x" * 200], "max_tokens": 10}) == est({"prompt": "x" * 200,
+                                                                   "max_tokens": 10})

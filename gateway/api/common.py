@@ -12,6 +12,7 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.scheduling import Ticket, TooLarge, TooManySlots
+from gateway.texts import header_text
 
 STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 
@@ -108,10 +109,10 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
     model's default class.
 
     With ``body`` (the upstream request body), the ticket carries the fleet's size estimate
-    (prompt tokens, KV tokens, prefix key, slots for ``n`` choices; ``gateway.sizing``). Raises
-    ApiError(400) for a bad ``X-Priority``, for a prompt that cannot fit any worker's per-slot
-    context (field case 4: refused before anything is forwarded) and for more choices than any
-    worker has slots."""
+    (prompt tokens, KV tokens, prefix key, slots for ``n`` choices of each of its prompts;
+    ``gateway.sizing``). Raises ApiError(400) for a bad ``X-Priority``, for a prompt that cannot
+    fit any worker's per-slot context (field case 4: refused before anything is forwarded) and
+    for more choices (times prompts) than any worker has slots."""
     prio = request.get("key_priority", default_priority)
     gw = request.app.get("gw")
     hdr = request.headers.get("X-Priority")
@@ -121,7 +122,7 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
         try:
             prio = int(hdr)
         except ValueError:
-            raise ApiError(400, f"X-Priority must be an integer, got {hdr!r}") from None
+            raise ApiError(400, f"X-Priority must be an integer, got '{header_text(hdr)}'") from None
     ticket = Ticket(request_id=request_id(request), model=model, priority=prio,
                     est_tokens=est_tokens, queue_timeout_s=queue_timeout_s)
     fleet = getattr(gw, "fleet", None)
@@ -130,7 +131,7 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
         ticket.prompt_tokens, ticket.est_tokens = size.prompt_tokens, size.est_tokens
         ticket.prefill_tokens = size.prefill_tokens
         ticket.prefix_key, ticket.prefix_chain = size.prefix_key, size.prefix_chain
-        ticket.slots = size.slots
+        ticket.slots, ticket.prompts = size.slots, size.prompts
         try:
             gw.dispatcher.check_fits(ticket)
         except (TooLarge, TooManySlots) as e:

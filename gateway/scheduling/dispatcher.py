@@ -62,14 +62,17 @@ class TooLarge(Exception):
 
 
 class TooManySlots(Exception):
-    """The ticket needs more slots at once (``Ticket.slots``: a ``/v1`` request's ``n``) than any
-    worker of its model has. Attributes: slots (asked), max_slots (largest worker's ``slots``).
-    Answered 400 before anything is forwarded, as llama-server refuses ``n`` above its ``-np``
-    (``n_cmpl`` hard limit 1..n_parallel, tools/server/server-schema.cpp)."""
+    """The ticket needs more slots at once (``Ticket.slots``: a ``/v1`` request's ``n``, times
+    its prompts) than any worker of its model has. Attributes: slots (asked), max_slots
+    (largest worker's ``slots``), prompts (``Ticket.prompts``). Answered 400 before anything is
+    forwarded, as llama-server refuses ``n`` above its ``-np`` (``n_cmpl`` hard limit
+    1..n_parallel, tools/server/server-schema.cpp). Several prompts times ``n`` over ``-np``
+    llama-server would accept and defer inside the worker; the gateway refuses them too, since
+    its workers never queue (the gateway holds the queue)."""
 
-    def __init__(self, slots: int, max_slots: int):
-        super().__init__(too_many_choices(slots, max_slots))
-        self.slots, self.max_slots = slots, max_slots
+    def __init__(self, slots: int, max_slots: int, prompts: int = 1):
+        super().__init__(too_many_choices(slots, max_slots, prompts))
+        self.slots, self.max_slots, self.prompts = slots, max_slots, prompts
 
 
 class Dispatcher:
@@ -224,7 +227,7 @@ class Dispatcher:
             most = max((w.slots for w in self.workers.values() if w.model == ticket.model),
                        default=0)
             if most and ticket.slots > most:
-                raise TooManySlots(ticket.slots, most)
+                raise TooManySlots(ticket.slots, most, ticket.prompts)
         if ticket.prompt_tokens <= 0:
             return
         ctxs = [w.n_ctx for w in self.workers.values() if w.model == ticket.model]

@@ -30,7 +30,7 @@ class SlotLease:
         self._on_release = on_release
         self._released = False
         self.prefilling = True  # until the worker's first token (``first_token``)
-        worker.leases.add(self)
+        worker.hold(self)
 
     @property
     def released(self) -> bool:
@@ -46,7 +46,7 @@ class SlotLease:
         if self._released:
             return []
         self._released = True
-        self.worker.leases.discard(self)
+        self.worker.drop(self)
         return self._on_release(self)
 
     def __enter__(self) -> "SlotLease":

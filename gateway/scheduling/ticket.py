@@ -37,7 +37,10 @@ class Ticket:
         slots: slots the request occupies on its one worker (>= 1): a ``/v1`` request with
             ``n`` choices runs ``n`` tasks side by side there (llama-server ``n_cmpl``, alias
             ``n``), so it is dispatched only to a worker with that many free slots and holds
-            them all until it ends (``gateway.sizing.choices``).
+            them all until it ends (``gateway.sizing.choices``); a ``/v1/completions`` with
+            several prompts runs ``n`` tasks for each, so ``slots`` is prompts × ``n``.
+        prompts: how many prompts ``slots`` is made of (1 unless a ``/v1/completions`` sends a
+            list of prompts; ``gateway.sizing.prompt_count``); it only words the refusal.
     """
 
     request_id: str
@@ -54,6 +57,7 @@ class Ticket:
     avoid: frozenset[str] = frozenset()
     follow_on: bool = False
     slots: int = 1
+    prompts: int = 1
 
     def deadline(self) -> float | None:
         """Clock seconds after which a still-queued ticket is expired, or None."""

@@ -34,9 +34,11 @@ class WorkerLoad:
 class WorkerView:
     """Scheduling state of one llama-server worker.
 
-    ``busy`` is derived from the set of live leases (each holds ``lease.slots``: one, or ``n``
-    for a ``/v1`` request with ``n`` choices), so it can never drift from what was actually
-    handed out: it is never negative, and dispatch never lets it exceed ``slots``.
+    ``busy`` counts the slots of the live leases (each holds ``lease.slots``: one, or ``n``
+    for a ``/v1`` request with ``n`` choices). It is a counter kept by ``hold`` and ``drop``,
+    the only places a lease joins or leaves ``leases`` (the scorer reads it many times per
+    decision), so it always equals the sum over ``leases``: it is never negative, and dispatch
+    never lets it exceed ``slots``.
     Polled telemetry (``load``) only *corrects scores*: ``phantom`` counts slots the worker
     reports busy that the gateway holds no lease for (e.g. a cancelled request still winding
     down); it never changes ``free``.
@@ -77,6 +79,19 @@ class WorkerView:
     leases: set = field(default_factory=set)
     load: WorkerLoad = field(default_factory=WorkerLoad)
     releases: deque = field(default_factory=lambda: deque(maxlen=256))  # clock s of releases
+    _busy: int = field(default=0, init=False, repr=False)  # sum of ``l.slots`` over ``leases``
+
+    def hold(self, lease) -> None:
+        """Add a live lease (``SlotLease`` calls it when it is taken); counts its slots."""
+        if lease not in self.leases:
+            self.leases.add(lease)
+            self._busy += lease.slots
+
+    def drop(self, lease) -> None:
+        """Remove a lease (on its release); gives its slots back. A second call does nothing."""
+        if lease in self.leases:
+            self.leases.discard(lease)
+            self._busy -= lease.slots
 
     def note_release(self, at: float, slots: int = 1) -> None:
         """A lease of this worker holding ``slots`` slots ended at clock ``at`` (seconds)."""
@@ -84,8 +99,8 @@ class WorkerView:
 
     @property
     def busy(self) -> int:
-        """Slots held by live leases (0..slots)."""
-        return sum(l.slots for l in self.leases)
+        """Slots held by live leases (0..slots): the counter ``hold`` and ``drop`` keep."""
+        return self._busy
 
     @property
     def in_rotation(self) -> bool:

@@ -4,16 +4,17 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import socket
 
 import httpx
 import ollama
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.auth import hash_key
 from tests.conftest import base_config, free_port
+from tests.e2e.compat_helpers import gateway_requests_total, raw_exchange
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +24,7 @@ ADMIN_TOKEN = "admin-token-0"
 
 def requests_total(url: str, endpoint: str, model: str, status: int) -> float:
     """``llama_gateway_requests_total`` of one label set, scraped with the admin token."""
-    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).text
-    want = {"endpoint": endpoint, "model": model, "status": str(status)}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "llama_gateway_requests_total" and s.labels == want:
-                return s.value
-    return 0.0
+    return gateway_requests_total(url, endpoint, model, status, token=ADMIN_TOKEN)
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +219,20 @@ def test_host_header_checked_on_loopback(secured):
                     break
                 head += chunk
         assert head.startswith(b"HTTP/1.1 %d" % status), (target, head[:200])
+
+
+def test_host_header_not_utf8_shown_escaped(secured):
+    """A Host header with Latin-1 bytes (not UTF-8) is refused with its bytes shown as ``\\xNN``
+    in the error text and the log, as Go's ``%q`` shows them (it was echoed as Python's
+    surrogate escape ``\\udce9``)."""
+    out = raw_exchange(secured.port, b"GET /api/tags HTTP/1.1\r\nHost: caf\xe9.com\r\n"
+                       b"Authorization: Bearer " + WEB.encode() + b"\r\nConnection: close\r\n\r\n")
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403"), out[:300]
+    assert json.loads(body) == {"error": r"host 'caf\xe9.com' is not allowed"}
+    refused = [json.loads(ln) for ln in secured.log_path.read_text().splitlines()
+               if '"request.host_refused"' in ln]
+    assert refused[-1]["host"] == r"caf\xe9.com", refused[-1]
 
 
 def test_cors_only_for_configured_origins(secured):

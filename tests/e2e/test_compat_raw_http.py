@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import base_config, free_port
-from tests.e2e.compat_helpers import model
+from tests.e2e.compat_helpers import model, raw_exchange
 
 pytestmark = pytest.mark.slow
 
@@ -140,6 +140,26 @@ def test_case21_and_24_error_shapes_root_version(gw):
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
     assert httpx.get(gw.url + "/").text == "Ollama is running"
     assert isinstance(httpx.get(gw.url + "/api/version").json()["version"], str)
+
+
+def test_header_values_not_utf8_shown_escaped_in_errors(gw):
+    """Header values with Latin-1 bytes (not UTF-8) that an error echoes (``Expect``,
+    ``X-Priority``, ``Content-Encoding``) show those bytes as ``\\xNN``, as Go's ``%q`` does, in
+    a JSON body of the route's shape (the ``Expect`` text held a raw surrogate, which the JSON
+    encoder refused; the others showed Python's ``\\udce9``)."""
+    body = b'{"model": "demo", "prompt": "x", "stream": false, "options": {"num_predict": 1}}'
+    for extra, status, text in (
+            (b"Expect: caf\xe9\r\n", 417, r"unsupported expectation: Expect: caf\xe9"),
+            (b"X-Priority: \xe9\r\n", 400, r"X-Priority must be an integer, got '\xe9'"),
+            (b"Content-Encoding: g\xe9zip\r\n", 415, r"unsupported Content-Encoding 'g\xe9zip': "
+                                                   "the gateway accepts gzip, deflate or an "
+                                                   "uncompressed body")):
+        out = raw_exchange(gw.port, b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\n"
+                            b"Content-Type: application/json\r\nConnection: close\r\n" + extra
+                            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        head, _, answer = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 %d" % status), (extra, out[:300])
+        assert json.loads(answer) == {"error": text}, (extra, answer)
 
 
 def test_case5_overlong_prompt_streamed_is_json_400(gw):

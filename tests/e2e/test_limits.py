@@ -14,6 +14,7 @@ import pytest
 
 from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
 from tests.conftest import base_config, free_port
+from tests.e2e.compat_helpers import gateway_requests_total, raw_exchange
 from tests.e2e.test_watchdog import wait_for
 
 pytestmark = pytest.mark.slow
@@ -63,22 +64,6 @@ def test_body_too_large_413_in_route_shape(limited):
     assert r.status_code == 413 and "error" in r.json()
 
 
-def _raw_exchange(port: int, head: bytes, body: bytes = b"", wait_s: float = 5.0) -> bytes:
-    """Send ``head``; after a first answer (or at once without one) send ``body``; all read."""
-    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as s:
-        s.sendall(head)
-        first = s.recv(65536)
-        if body and first.startswith(b"HTTP/1.1 100"):
-            s.sendall(body)
-        rest = b""
-        try:
-            while chunk := s.recv(65536):
-                rest += chunk
-        except socket.timeout:
-            pass
-    return first + rest
-
-
 def test_expect_100_continue_gets_413_instead_for_a_body_over_the_limit(limited):
     """A client announcing a body over ``max_body_bytes`` with ``Expect: 100-continue`` gets
     the 413 instead of ``100 Continue`` (so it never uploads the body; found by a tester: curl
@@ -86,25 +71,30 @@ def test_expect_100_continue_gets_413_instead_for_a_body_over_the_limit(limited)
     and its answer."""
     head = (b"POST /api/show HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Expect: 100-continue\r\nConnection: close\r\nContent-Length: %d\r\n\r\n")
-    out = _raw_exchange(limited.port, head % 999_999_999)
+    counted = {s: gateway_requests_total(limited.url, "/api/show", "", s) for s in (413, 417)}
+    out = raw_exchange(limited.port, head % 999_999_999)
     assert out.startswith(b"HTTP/1.1 413"), out[:300]
     assert b"100 Continue" not in out and b"request body too large" in out
     # counted and logged like any answered request (it never reaches the middleware)
-    done = [json.loads(ln) for ln in limited.log_path.read_text().splitlines()
-            if '"request.done"' in ln and '"status": 413' in ln]
-    assert any(ev["path"] == "/api/show" for ev in done), done
-    metrics = httpx.get(limited.url + "/metrics", timeout=10).text
-    assert any(ln.startswith("llama_gateway_requests_total{") and 'status="413"' in ln
-               for ln in metrics.splitlines()), metrics[:2000]
+    assert gateway_requests_total(limited.url, "/api/show", "", 413) == counted[413] + 1
+    assert done_events(limited, 413) == 1
     small = b'{"model": "demo"}'
-    out = _raw_exchange(limited.port, head % len(small), small)
+    out = raw_exchange(limited.port, head % len(small), small)
     assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"), out[:300]
     # HTTP/1.0: the expectation is ignored (RFC 9110 §10.1.1), the request is served
-    out = _raw_exchange(limited.port, head.replace(b"HTTP/1.1", b"HTTP/1.0") % len(small) + small)
+    out = raw_exchange(limited.port, head.replace(b"HTTP/1.1", b"HTTP/1.0") % len(small) + small)
     assert out.startswith(b"HTTP/1.1 200") or out.startswith(b"HTTP/1.0 200"), out[:300]
     # another expectation: 417 in the route's JSON shape
-    out = _raw_exchange(limited.port, head.replace(b"100-continue", b"202-accept") % len(small))
+    out = raw_exchange(limited.port, head.replace(b"100-continue", b"202-accept") % len(small))
     assert out.startswith(b"HTTP/1.1 417") and b'"error"' in out, out[:300]
+    assert gateway_requests_total(limited.url, "/api/show", "", 417) == counted[417] + 1
+    assert done_events(limited, 417) == 1
+
+
+def done_events(gw, status: int) -> int:
+    """``request.done`` events of ``POST /api/show`` with ``status`` in ``gw``'s log."""
+    return sum(1 for ln in gw.log_path.read_text().splitlines() if '"request.done"' in ln
+               and (ev := json.loads(ln))["status"] == status and ev["path"] == "/api/show")
 
 
 def test_too_many_messages_400(limited):

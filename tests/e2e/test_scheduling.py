@@ -49,12 +49,11 @@ def gw1(tmp_path_factory):
 
 
 class Stream:
-    """A streaming /api/generate client that can be killed mid-stream."""
+    """A streaming client (``path``: /api/generate by default) that can be killed mid-stream."""
 
-    def __init__(self, gw, body=LONG, headers=None):
+    def __init__(self, gw, body=LONG, headers=None, path="/api/generate"):
         self.client = httpx.Client(timeout=60)
-        self.cm = self.client.stream("POST", gw.url + "/api/generate", json=body,
-                                     headers=headers or {})
+        self.cm = self.client.stream("POST", gw.url + path, json=body, headers=headers or {})
         self.resp = self.cm.__enter__()
         self.lines = self.resp.iter_lines()
 
@@ -377,4 +376,66 @@ def test_n_choices_take_n_slots_and_a_request_beyond_waits_in_the_gateway(gatewa
     assert too_many.status_code == 400, too_many.text
     err = too_many.json()["error"]
     assert err["type"] == "invalid_request_error" and "at most 2" in err["message"]
+    assert worker_metrics(worker).get("llamacpp:requests_deferred", 0) == 0
+
+
+def test_several_prompts_take_a_slot_each_and_a_request_beyond_waits_in_the_gateway(
+        gateway_factory):
+    """``/v1/completions`` with a list of prompts runs one task per prompt (times ``n``) on its
+    worker (llama-server ``tokenize_input_prompts``): the gateway leases a slot for each, so the
+    worker's ``/slots`` never shows more busy slots than the gateway counts, and a request that
+    needs more slots than are left waits in the gateway's queue instead of being deferred inside
+    the worker; prompts × ``n`` above every worker's slots is a 400 before anything is forwarded,
+    as an over-large ``n`` is."""
+    cfg = _cfg(queue={"max_pending": 2})
+    cfg["models"][0].update(slots=3, cpu=1)
+    gw = gateway_factory(cfg)
+    worker = gw.workers()[0]
+
+    def processing() -> int:
+        return sum(1 for s in gw.slots(worker) if s.get("is_processing"))
+
+    body = {"model": "demo", "prompt": ["tell me a long story", "tell me another long story"],
+            "max_tokens": 3500, "stream": True}
+    first = Stream(gw, body, path="/v1/completions")
+    try:
+        assert first.resp.status_code == 200 and first.first()
+        assert wait_until(lambda: processing() == 2, 5.0)
+        assert gateway_state(gw)["workers"][0]["busy"] == 2  # a slot per prompt, one request
+        with cf.ThreadPoolExecutor(1) as ex:
+            # two more prompts: one slot is left, so it waits (headers come with the slots)
+            waiting = ex.submit(Stream, gw, body, None, "/v1/completions")
+            try:
+                assert wait_until(lambda: gateway_state(gw)["queue"]["depth"] == 1, 2.0), \
+                    gateway_state(gw)
+                for _ in range(5):  # the worker never holds more than the gateway leased
+                    st = gateway_state(gw)
+                    assert st["queue"]["depth"] == 1 and st["workers"][0]["busy"] == 2
+                    assert processing() <= 2
+                    assert worker_metrics(worker)["llamacpp:requests_deferred"] == 0
+                    time.sleep(0.1)
+            finally:
+                first.kill()  # its two slots are freed
+            waiting = waiting.result(timeout=30)
+    finally:
+        first.kill()
+    try:
+        assert waiting.first()  # the queued request got its two slots
+        assert wait_until(lambda: processing() == 2, 5.0)
+        assert gateway_state(gw)["workers"][0]["busy"] == 2
+        assert gateway_state(gw)["queue"]["depth"] == 0
+    finally:
+        waiting.kill()
+    # three prompts fit the three slots: one choice each
+    r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+        "model": "demo", "prompt": ["a", "b", "c"], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
+    for prompt in (["a", "b"], [[1, 2], [3, 4]]):  # strings or token lists, × n = 2: 4 > 3
+        r = httpx.post(gw.url + "/v1/completions", timeout=30, json={
+            "model": "demo", "prompt": prompt, "n": 2, "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and "2 prompts with n = 2" in err["message"]
+        assert "at most 3" in err["message"]
     assert worker_metrics(worker).get("llamacpp:requests_deferred", 0) == 0

@@ -380,3 +380,7 @@ def test_more_slots_than_any_worker_has_is_refused_up_front():
         d.submit(t(2, slots=5))
     d.check_fits(t(3, slots=4))  # the 4-slot worker can take it (once it is ready)
     assert len(d.queue) == 0
+    with pytest.raises(TooManySlots) as e:  # a /v1/completions with 3 prompts and n = 2
+        d.check_fits(t(4, slots=6, prompts=3))
+    assert e.value.prompts == 3 and str(e.value).startswith(
+        "3 prompts with n = 2 ask for 6 completions at once") and "at most 4" in str(e.value)

@@ -133,6 +133,7 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
         for w in d.workers.values():
             assert 0 <= w.busy <= w.slots
             assert w.busy == sum(l.slots for l in live if l.worker is w)
+            assert w.busy == sum(l.slots for l in w.leases)  # the counter matches its leases
             assert 0 <= w.free <= w.slots
             assert 0 <= w.phantom <= w.slots
             if w.failed:
