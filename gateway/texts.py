@@ -23,15 +23,9 @@ def context_overflow(prompt_tokens: int, n_ctx: int, approx: bool = False) -> st
             f"context per slot: {n_ctx} tokens)")
 
 
-def too_many_choices(slots: int, max_slots: int, prompts: int = 1) -> str:
+def too_many_choices(slots: int, max_slots: int) -> str:
     """A ``/v1`` request whose ``n`` (choices generated side by side, one slot each on one
-    worker), times its ``prompts`` (a ``/v1/completions`` with a list of prompts runs ``n`` for
-    each), exceeds the slots of every worker of its model."""
-    if prompts > 1:
-        return (f"{prompts} prompts with n = {slots // prompts} ask for {slots} completions at "
-                f"once, each taking a slot of the same worker, but the workers of this model "
-                f"have at most {max_slots} slots; send at most {max_slots} prompts times n per "
-                f"request (or raise the model's slots in the gateway config)")
+    worker) exceeds the slots of every worker of its model."""
     return (f"n = {slots} asks for {slots} choices at once, each taking a slot of the same "
             f"worker, but the workers of this model have at most {max_slots} slots; ask for at "
             f"most {max_slots} (or raise the model's slots in the gateway config)")

@@ -112,7 +112,7 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
     (prompt tokens, KV tokens, prefix key, slots for ``n`` choices of each of its prompts;
     ``gateway.sizing``). Raises ApiError(400) for a bad ``X-Priority``, for a prompt that cannot
     fit any worker's per-slot context (field case 4: refused before anything is forwarded) and
-    for more choices (times prompts) than any worker has slots."""
+    for more choices (``n``) than any worker has slots."""
     prio = request.get("key_priority", default_priority)
     gw = request.app.get("gw")
     hdr = request.headers.get("X-Priority")

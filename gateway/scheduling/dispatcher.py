@@ -62,17 +62,15 @@ class TooLarge(Exception):
 
 
 class TooManySlots(Exception):
-    """The ticket needs more slots at once (``Ticket.slots``: a ``/v1`` request's ``n``, times
-    its prompts) than any worker of its model has. Attributes: slots (asked), max_slots
-    (largest worker's ``slots``), prompts (``Ticket.prompts``). Answered 400 before anything is
-    forwarded, as llama-server refuses ``n`` above its ``-np`` (``n_cmpl`` hard limit
-    1..n_parallel, tools/server/server-schema.cpp). Several prompts times ``n`` over ``-np``
-    llama-server would accept and defer inside the worker; the gateway refuses them too, since
-    its workers never queue (the gateway holds the queue)."""
+    """The ticket's choices (``Ticket.slots`` ÷ ``Ticket.prompts``: a ``/v1`` request's ``n``)
+    are more than any worker of its model has slots. Attributes: slots (choices asked),
+    max_slots (largest worker's ``slots``). Answered 400 before anything is forwarded, as
+    llama-server refuses ``n`` above its ``-np`` (``n_cmpl`` hard limit 1..n_parallel,
+    tools/server/server-schema.cpp)."""
 
-    def __init__(self, slots: int, max_slots: int, prompts: int = 1):
-        super().__init__(too_many_choices(slots, max_slots, prompts))
-        self.slots, self.max_slots, self.prompts = slots, max_slots, prompts
+    def __init__(self, slots: int, max_slots: int):
+        super().__init__(too_many_choices(slots, max_slots))
+        self.slots, self.max_slots = slots, max_slots
 
 
 class Dispatcher:
@@ -220,14 +218,24 @@ class Dispatcher:
         return SlotLease(worker, ticket, now, self._on_release)
 
     def check_fits(self, ticket: Ticket) -> None:
-        """Raise ``TooManySlots`` when the ticket needs more slots than any worker of its model
-        has, and ``TooLarge`` when its prompt estimate cannot fit the per-slot context of any
-        worker of its model (workers with unknown context never refuse)."""
+        """Raise ``TooManySlots`` when the ticket's choices (``n``) are more than any worker of
+        its model has slots, and ``TooLarge`` when its prompt estimate cannot fit the per-slot
+        context of any worker of its model (workers with unknown context never refuse).
+
+        A ticket of several prompts (``Ticket.prompts``) that needs more slots than the largest
+        worker has is cut down to that worker's size: it waits for a whole worker and holds
+        all of it, and llama-server runs the tasks beyond its slots as those of the same
+        request finish (it accepts any number of prompts, ``tokenize_input_prompts``;
+        OpenAI too). Its worker gets nothing else meanwhile, so only the request's own tasks
+        wait inside the worker."""
         if ticket.slots > 1:
             most = max((w.slots for w in self.workers.values() if w.model == ticket.model),
                        default=0)
             if most and ticket.slots > most:
-                raise TooManySlots(ticket.slots, most, ticket.prompts)
+                n = ticket.slots // ticket.prompts
+                if n > most:
+                    raise TooManySlots(n, most)
+                ticket.slots = most
         if ticket.prompt_tokens <= 0:
             return
         ctxs = [w.n_ctx for w in self.workers.values() if w.model == ticket.model]

@@ -385,8 +385,9 @@ def test_several_prompts_take_a_slot_each_and_a_request_beyond_waits_in_the_gate
     worker (llama-server ``tokenize_input_prompts``): the gateway leases a slot for each, so the
     worker's ``/slots`` never shows more busy slots than the gateway counts, and a request that
     needs more slots than are left waits in the gateway's queue instead of being deferred inside
-    the worker; prompts × ``n`` above every worker's slots is a 400 before anything is forwarded,
-    as an over-large ``n`` is."""
+    the worker. Prompts × ``n`` above every worker's slots is served on a whole worker (the
+    worker runs the tasks beyond its slots as earlier ones finish); ``n`` alone above them is a
+    400 before anything is forwarded."""
     cfg = _cfg(queue={"max_pending": 2})
     cfg["models"][0].update(slots=3, cpu=1)
     gw = gateway_factory(cfg)
@@ -431,11 +432,26 @@ def test_several_prompts_take_a_slot_each_and_a_request_beyond_waits_in_the_gate
         "model": "demo", "prompt": ["a", "b", "c"], "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
-    for prompt in (["a", "b"], [[1, 2], [3, 4]]):  # strings or token lists, × n = 2: 4 > 3
-        r = httpx.post(gw.url + "/v1/completions", timeout=30, json={
-            "model": "demo", "prompt": prompt, "n": 2, "max_tokens": 4})
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["type"] == "invalid_request_error" and "2 prompts with n = 2" in err["message"]
-        assert "at most 3" in err["message"]
     assert worker_metrics(worker).get("llamacpp:requests_deferred", 0) == 0
+    for prompt in (["a", "b"], [[1, 2], [3, 4]]):  # strings or token lists, × n = 2: 4 > 3
+        r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+            "model": "demo", "prompt": prompt, "n": 2, "max_tokens": 4})
+        assert r.status_code == 200, r.text  # accepted, as llama-server and OpenAI accept it
+        assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2, 3]
+    # such a batch holds the whole worker while it runs: a single request waits in the gateway
+    big = Stream(gw, {**body, "n": 2}, None, "/v1/completions")
+    try:
+        assert big.resp.status_code == 200 and big.first()
+        assert gateway_state(gw)["workers"][0]["busy"] == 3
+        with cf.ThreadPoolExecutor(1) as ex:
+            single = ex.submit(httpx.post, gw.url + "/v1/completions", timeout=60, json={
+                "model": "demo", "prompt": "hi", "max_tokens": 2})
+            assert wait_until(lambda: gateway_state(gw)["queue"]["depth"] == 1, 2.0)
+            assert not single.done()
+            big.kill()
+            assert single.result(timeout=30).status_code == 200
+    finally:
+        big.kill()
+    r = httpx.post(gw.url + "/v1/completions", timeout=30, json={  # n alone beyond the slots
+        "model": "demo", "prompt": ["a", "b"], "n": 4, "max_tokens": 4})
+    assert r.status_code == 400 and "n = 4" in r.json()["error"]["message"], r.text

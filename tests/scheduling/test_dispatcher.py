@@ -380,7 +380,22 @@ def test_more_slots_than_any_worker_has_is_refused_up_front():
         d.submit(t(2, slots=5))
     d.check_fits(t(3, slots=4))  # the 4-slot worker can take it (once it is ready)
     assert len(d.queue) == 0
-    with pytest.raises(TooManySlots) as e:  # a /v1/completions with 3 prompts and n = 2
-        d.check_fits(t(4, slots=6, prompts=3))
-    assert e.value.prompts == 3 and str(e.value).startswith(
-        "3 prompts with n = 2 ask for 6 completions at once") and "at most 4" in str(e.value)
+    many = t(4, slots=6, prompts=3)  # a /v1/completions with 3 prompts and n = 2
+    d.check_fits(many)  # accepted (llama-server takes any number of prompts) ...
+    assert many.slots == 4  # ... holding the whole of the largest worker
+    with pytest.raises(TooManySlots) as e:  # 2 prompts, n = 5: n alone is too many
+        d.check_fits(t(5, slots=10, prompts=2))
+    assert (e.value.slots, e.value.max_slots) == (5, 4)
+
+
+def test_several_prompts_beyond_a_worker_wait_for_a_whole_worker_and_hold_it():
+    d, _ = mk(n_workers=2, slots=2)
+    a = d.submit(t(1))  # one slot of one worker
+    assert a is not None
+    lease = d.submit(t(2, slots=5, prompts=5))  # five prompts: capped to 2, the free worker
+    assert lease is not None and lease.slots == 2 and lease.worker.id != a.worker.id
+    third = t(3, slots=3, prompts=3)
+    assert d.submit(third) is None and third.slots == 2  # waits: no worker is wholly free
+    (got, held), = a.release()  # a's worker is wholly free now
+    assert got is third and held.worker is a.worker and held.slots == 2
+    assert len(d.queue) == 0 and a.worker.busy == 2 and lease.worker.busy == 2
