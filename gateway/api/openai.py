@@ -181,14 +181,20 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
     """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
     with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
     it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
-    itself, which is split off here. An upstream ``{"error": …}`` event ends the stream
-    (raised as UpstreamError so the caller writes an OpenAI error event)."""
+    itself, which is split off here. With several tasks (``n > 1``, several prompts) llama-server
+    sends a usage per task, in the middle of the stream; only the first is kept and sent last,
+    once (per task, not summed: README known gaps). llama-server's ``data: null`` events (it
+    starts a several-prompt stream with one) are dropped: OpenAI never sends them and its
+    client fails on them. An upstream ``{"error": …}`` event ends the stream (raised as
+    UpstreamError so the caller writes an OpenAI error event)."""
+    last: bytes | None = None
     async for batch in iter_sse_batches(resp):
         note_first_byte(request)
         parts: list[bytes] = []
         for data in batch:
             if b'"usage"' not in data and b'"error"' not in data:
-                parts.append(b"data: " + data + b"\n\n")  # hot path: pass the event through
+                if data != b"null":
+                    parts.append(b"data: " + data + b"\n\n")  # hot path: pass it through
                 continue
             ev = orjson.loads(data)
             if b'"usage"' in data:
@@ -200,12 +206,12 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
             usage = ev.pop("usage", None)
             if ev.get("choices"):
                 parts.append(_sse(ev))
-            if usage is not None and include_usage:
-                parts.append(_sse({k: v for k, v in ev.items() if k not in ("choices", "timings")}
-                                  | {"choices": [], "usage": usage}))
+            if usage is not None and include_usage and last is None:
+                last = _sse({k: v for k, v in ev.items() if k not in ("choices", "timings")}
+                            | {"choices": [], "usage": usage})
         if parts:  # everything that arrived together goes out in one write
             await out.write(b"".join(parts))
-    await out.write(b"data: [DONE]\n\n")
+    await out.write((last or b"") + b"data: [DONE]\n\n")
 
 
 async def _fold_stream(request: web.Request, resp, fold: OpenAIFold) -> dict:

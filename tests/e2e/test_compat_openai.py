@@ -42,6 +42,22 @@ def test_case26_include_usage_chat_and_completions(client):
         assert all(c.choices and c.usage is None for c in without)
 
 
+def test_several_prompts_stream_with_the_openai_client(client):
+    """A streamed ``/v1/completions`` with a list of prompts: llama-server starts it with a
+    ``data: null`` event and sends a usage per prompt mid-stream; the openai client needs
+    neither (it failed on the null with AttributeError). Every chunk has choices, and with
+    ``include_usage`` one usage chunk comes last (field case 26)."""
+    for so in (None, {"include_usage": True}):
+        kw = {"stream_options": so} if so else {}
+        chunks = list(client.completions.create(model="demo", prompt=["a", "b", "c"],
+                                                max_tokens=3, stream=True, **kw))
+        body, last = (chunks[:-1], chunks[-1]) if so else (chunks, None)
+        assert body and all(c.choices and c.usage is None for c in body)
+        assert {c.choices[0].index for c in body} == {0, 1, 2}
+        if so:
+            assert last.choices == [] and last.usage.completion_tokens == 3
+
+
 def test_case22_finish_reason(client):
     r = client.chat.completions.create(model="demo", max_tokens=5, messages=MSG)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
