@@ -6,7 +6,7 @@ results are gathered in input order. Vectors are L2-normalised again here and, w
 ``dimensions``, cut and normalised again (Ollama routes.go ``normalize``).
 
 Too-long inputs: llama-server embeds a whole input in one micro-batch, so the limit is
-min(per-slot context, ``-ub`` (default 512)). With ``truncate`` (default true) the input is
+min(per-slot context, ``-ub`` (default 512), the worker's whole ``-c``; ``input_limit``). With ``truncate`` (default true) the input is
 tokenized and cut to the limit; with ``truncate:false`` → 400 ``the input length exceeds the
 context length`` (Ollama text). That ``/tokenize`` is not asked when admission would refuse the
 request at once (full queue, no worker can serve it): the request gets that 503 without waiting
@@ -66,9 +66,18 @@ def _ubatch(gw, entry: ModelEntry) -> int:
 
 
 def input_limit(gw, entry: ModelEntry) -> int:
-    """Most tokens one input may have: min(per-slot context, micro-batch)."""
+    """Most tokens one input may have: min(per-slot context, micro-batch, the worker's whole
+    ``-c``). The last matters for tiny contexts: llama-server cuts a causal model's batch (and
+    so its micro-batch) to the ``-c`` it was given (src/llama-context.cpp: ``n_batch =
+    min(n_ctx, n_batch)``) before it rounds the context up to a multiple of 256, so with 2
+    slots of 64 tokens ``/slots`` says 256 per slot but an input over 128 tokens is refused
+    ("too large to process ... current batch size: 128"; field case 25)."""
     ctx = gw.context_per_slot(entry.name) or _UBATCH_DEFAULT
-    return min(ctx, _ubatch(gw, entry))
+    limit = min(ctx, _ubatch(gw, entry))
+    mcfg = gw.model_config(entry.name)
+    if mcfg is not None:
+        limit = min(limit, mcfg.slots * mcfg.context)
+    return limit
 
 
 def _is_too_long(e: UpstreamError) -> bool:

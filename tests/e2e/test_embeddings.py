@@ -30,7 +30,21 @@ BOS_ARGS = ["--override-kv", "tokenizer.ggml.add_bos_token=bool:true"]
 @pytest.fixture(scope="module")
 def gw(module_gateway_factory):
     return module_gateway_factory(base_config(free_port(), models=[
-        embed_model(cpu=2, context=256), {**embed_model("embedbos"), "args": BOS_ARGS}]))
+        embed_model(cpu=2, context=256), {**embed_model("embedbos"), "args": BOS_ARGS},
+        {**embed_model("embedtiny", context=64), "slots": 2}]))
+
+
+def test_case25_truncation_below_the_batch_llama_server_cut_to_a_tiny_context(gw):
+    """2 slots of 64 tokens: llama-server's batch is 128 (the ``-c`` it was given) although
+    ``/slots`` says 256 per slot (rounded up); truncation cuts to 128, so the default
+    ``truncate`` answers 200 where it used to pass the worker's 400 through."""
+    client = ollama.Client(host=gw.url)
+    for n in (120, 300):
+        r = client.embed(model="embedtiny", input=["alpha", "word " * n])
+        assert len(r.embeddings) == 2 and r.prompt_eval_count <= 128 + 5
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="embedtiny", input="word " * 120, truncate=False)
+    assert (e.value.status_code, e.value.error) == (400, "the input length exceeds the context length")
 
 
 def test_case25_batch_order_truncation_and_legacy(gw):
@@ -75,7 +89,8 @@ def test_concurrent_batches_spread_without_mixing(gw):
             ev = json.loads(line)
         except ValueError:
             continue
-        if ev.get("event") == "request.done" and ev.get("path") == "/api/embed" and ev.get("worker"):
+        if ev.get("event") == "request.done" and ev.get("path") == "/api/embed" \
+                and ev.get("model") == "embed:latest" and ev.get("worker"):
             used.update(ev["worker"].split(","))
     assert used == {"embed-cpu0", "embed-cpu1"}
 
