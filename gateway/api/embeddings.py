@@ -6,8 +6,8 @@ results are gathered in input order. Vectors are L2-normalised again here and, w
 ``dimensions``, cut and normalised again (Ollama routes.go ``normalize``).
 
 Too-long inputs: llama-server embeds a whole input in one micro-batch, so the limit is
-min(per-slot context, ``-ub`` (default 512), the worker's whole ``-c``; ``input_limit``). With ``truncate`` (default true) the input is
-tokenized and cut to the limit; with ``truncate:false`` → 400 ``the input length exceeds the
+min(per-slot context, ``-ub`` (default 512), the worker's whole ``-c``; ``input_limit``). With
+``truncate`` (default true) the input is tokenized and cut to the limit; with ``truncate:false`` → 400 ``the input length exceeds the
 context length`` (Ollama text). That ``/tokenize`` is not asked when admission would refuse the
 request at once (full queue, no worker can serve it): the request gets that 503 without waiting
 for the side call (``embed_many``). Workers need ``embeddings: true`` and a pooling type other than
