@@ -7,11 +7,12 @@ results are gathered in input order. Vectors are L2-normalised again here and, w
 
 Too-long inputs: llama-server embeds a whole input in one micro-batch, so the limit is
 min(per-slot context, ``-ub`` (default 512), the worker's whole ``-c``; ``input_limit``). With
-``truncate`` (default true) the input is tokenized and cut to the limit; with ``truncate:false`` → 400 ``the input length exceeds the
-context length`` (Ollama text). That ``/tokenize`` is not asked when admission would refuse the
-request at once (full queue, no worker can serve it): the request gets that 503 without waiting
-for the side call (``embed_many``). Workers need ``embeddings: true`` and a pooling type other than
-``none`` (the demo model needs ``args: [--pooling, mean]``).
+``truncate`` (default true) the input is tokenized and cut to the limit; with ``truncate:false``
+→ 400 ``the input length exceeds the context length`` (Ollama text). That ``/tokenize`` is not
+asked when admission would refuse the request at once (full queue, no worker can serve it): the
+request gets that 503 without waiting for the side call (``embed_many``). Workers need
+``embeddings: true`` and a pooling type other than ``none`` (the demo model needs
+``args: [--pooling, mean]``).
 
 Empty strings in a batch: sent to the worker like any input, as Ollama's ``EmbedHandler`` does
 (routes.go; only a whole ``input: ""`` is the "load the model" answer ``embeddings: []``).
@@ -71,13 +72,13 @@ def input_limit(gw, entry: ModelEntry) -> int:
     so its micro-batch) to the ``-c`` it was given (src/llama-context.cpp: ``n_batch =
     min(n_ctx, n_batch)``) before it rounds the context up to a multiple of 256, so with 2
     slots of 64 tokens ``/slots`` says 256 per slot but an input over 128 tokens is refused
-    ("too large to process ... current batch size: 128"; field case 25)."""
+    ("too large to process ... current batch size: 128"; field case 25). The smallest ``-c``
+    of the model's workers counts (``WorkerPlan.total_context``; ``slots_per_gpu`` can differ)."""
     ctx = gw.context_per_slot(entry.name) or _UBATCH_DEFAULT
-    limit = min(ctx, _ubatch(gw, entry))
-    mcfg = gw.model_config(entry.name)
-    if mcfg is not None:
-        limit = min(limit, mcfg.slots * mcfg.context)
-    return limit
+    fleet = getattr(gw, "fleet", None)
+    totals = [p.total_context for p in fleet.plans.values() if p.model == entry.name] \
+        if fleet else []
+    return min([ctx, _ubatch(gw, entry), *totals])
 
 
 def _is_too_long(e: UpstreamError) -> bool:
