@@ -17,7 +17,7 @@ scorer finds the worker that served it (prefix affinity, gateway/scheduling/scor
 
 A ``/v1`` request with ``n`` choices occupies ``n`` slots of its worker (``choices``); a
 ``/v1/completions`` with several prompts (``prompt`` a list of strings or of token lists)
-occupies one slot per prompt and choice (``prompt_count`` × ``choices``).
+occupies one slot per prompt and choice (``prompts_of`` × ``choices``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class SizeEstimate:
     est_tokens: KV tokens the request may occupy (prompt + generation);
     prefix_key: 64-bit hash of the prompt head, None when there is no prompt;
     prefix_chain: (64-bit key, estimated tokens) at each prompt boundary, shortest first;
-    slots: slots the request takes on its worker (``prompt_count`` × ``choices``), each holding
-    ``est_tokens``; prompts: of those, the prompts (``prompt_count``; slots / prompts choices each).
+    slots: slots the request takes on its worker (prompts × ``choices``), each holding
+    ``est_tokens``; prompts: of those, the prompts (``prompts_of``; slots / prompts choices each).
     With several prompts, ``prompt_tokens`` is the largest one's (each must fit a slot),
     ``prefill_tokens`` their sum (llama-server computes each prompt once, its choices share it)
     and ``est_tokens`` the mean per prompt (so ``est_tokens`` × ``slots`` covers them all)."""
@@ -87,13 +87,6 @@ def prompts_of(body: dict) -> list | None:
     if isinstance(p, list) and p and not any(_is_int(e) for e in p):
         return p
     return None
-
-
-def prompt_count(body: dict) -> int:
-    """Tasks llama-server starts per choice for an upstream body: ``len(prompts_of(body))``,
-    else 1."""
-    several = prompts_of(body)
-    return len(several) if several is not None else 1
 
 
 def prefix_chain(parts: Iterable[tuple[bytes, int]]) -> Chain:

@@ -1,6 +1,6 @@
 """Request size estimates and prefix keys (gateway.sizing)."""
 
-from gateway.sizing import REFUSE_SAFETY, choices, estimate, prompt_count
+from gateway.sizing import REFUSE_SAFETY, choices, estimate, prompts_of
 
 
 def est(body, **kw):
@@ -84,11 +84,11 @@ def test_several_prompts_take_a_slot_each_times_n():
     (tools/server/server-common.cpp ``tokenize_input_prompts``). The estimate covers every
     prompt: the largest must fit a slot, each is computed once, and ``est_tokens`` × ``slots``
     is the KV of all the tasks."""
-    assert prompt_count({"prompt": ["a", "b", "c"]}) == 3
-    assert prompt_count({"prompt": [[1, 2], [3]]}) == 2
-    for one in ([1, 2, 3], ["a", 1], "abc", [], None):
-        assert prompt_count({"prompt": one}) == 1
-    assert prompt_count({"messages": [{"role": "user", "content": "hi"}], "prompt": ["a", "b"]}) == 1
+    assert len(prompts_of({"prompt": ["a", "b", "c"]})) == 3
+    assert len(prompts_of({"prompt": [[1, 2], [3]]})) == 2
+    for one in ([1, 2, 3], ["a", 1], "abc", [], None):  # one prompt (or none): not several
+        assert prompts_of({"prompt": one}) is None
+    assert prompts_of({"messages": [{"role": "user", "content": "hi"}], "prompt": ["a", "b"]}) is None
     e = est({"prompt": ["x" * 200, "x" * 40, list(range(30))], "n": 2, "max_tokens": 10})
     assert (e.slots, e.prompts) == (6, 3)
     assert e.prompt_tokens == int(200 / (2.0 * REFUSE_SAFETY))  # the largest one
