@@ -8,17 +8,21 @@ difference (ms), and the gateway process's CPU time (user + system, from /proc v
 over the measured rounds divided by their requests (ms; includes its background polling of the
 worker). Speed is measured, never asserted.
 
-``--pin`` puts the workers on the last CPU and this script and the gateways on the others, as
-on a GPU server, where the gateway does not share its cores with the model's compute (the
-default leaves placement to the kernel: on a small CPU-only machine the gateway then competes
-with the worker's threads).
+``--pin workers`` puts the workers on the last CPU and this script and the gateways on the
+others, as on a GPU server, where the gateway does not share its cores with the model's compute.
+``--pin gateway`` puts the gateways alone on the first CPU and the workers and this script (the
+client) on the others, as on a GPU server whose clients are other machines: nothing else runs
+on the gateway's core between its requests. The default (``none``) leaves placement to the
+kernel: on a small CPU-only machine the gateway then competes with the worker's threads and the
+client.
 
-Run: ``flock /tmp/bench.lock .venv/bin/python tests/bench/overhead_ab.py /tmp/base . [-n 300] [--pin]``
+Run: ``flock /tmp/bench.lock .venv/bin/python tests/bench/overhead_ab.py /tmp/base . [-n 300] [--pin workers|gateway]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -50,6 +54,17 @@ def _cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
+def pin(pid: int | None, cpus: list[int]) -> None:
+    """Every thread of process ``pid`` (None: this one) on ``cpus``: affinity is per thread on
+    Linux, and a process's threads started before the call keep their own."""
+    proc = psutil.Process(pid)
+    for t in proc.threads():
+        try:
+            os.sched_setaffinity(t.id, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 def start(root: Path, tmp: Path, i: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cfg = base_config(port)
@@ -79,22 +94,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trees", nargs="+", type=Path)
     ap.add_argument("-n", type=int, default=300)
-    ap.add_argument("--pin", action="store_true", help="workers on the last CPU, the rest elsewhere")
+    ap.add_argument("--pin", choices=("none", "workers", "gateway"), default="none",
+                    help="workers: workers on the last CPU, the rest elsewhere; "
+                         "gateway: gateways on the first CPU, the rest elsewhere")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="overhead-ab-"))
     gws = [start(root.resolve(), tmp, i) for i, root in enumerate(a.trees)]
     gbody = {"model": "demo", "prompt": "hello there", "raw": True, "options": {"num_predict": 16}}
     dbody = {"prompt": "hello there", "n_predict": 16, "stream": True}
     cpus = sorted(psutil.Process().cpu_affinity())
-    if a.pin and len(cpus) < 2:
+    if a.pin != "none" and len(cpus) < 2:
         raise SystemExit("--pin needs at least 2 CPUs")
     try:
         targets = []
         for proc, url in gws:
             w = ready_worker(url)
-            if a.pin:
-                for pid, mask in ((w["pid"], cpus[-1:]), (proc.pid, cpus[:-1]), (None, cpus[:-1])):
-                    psutil.Process(pid).cpu_affinity(mask)  # None: this script
+            if a.pin == "workers":
+                masks = ((w["pid"], cpus[-1:]), (proc.pid, cpus[:-1]), (None, cpus[:-1]))
+            elif a.pin == "gateway":
+                masks = ((w["pid"], cpus[1:]), (proc.pid, cpus[:1]), (None, cpus[1:]))
+            else:
+                masks = ()
+            for pid, mask in masks:
+                pin(pid, mask)
             targets.append((f"http://127.0.0.1:{w['port']}/completion",
                             {"Authorization": f"Bearer {worker_key(w['pid'])}"},
                             url + "/api/generate"))

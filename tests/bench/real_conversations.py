@@ -14,7 +14,7 @@ heads × 128 dims × 2 × 2 bytes = 128 KiB per token), which is the regime a GP
 and is the default here (``--cache-ram 32 8192`` runs both).
 
 Run: ``flock /tmp/bench.lock .venv/bin/python tests/bench/real_conversations.py
-[--conversations 56] [--turns 8] [--out docs/bench_conversations.md]``
+[--conversations 56] [--turns 8] [--slots 2] [--clients 4] [--out docs/bench_conversations.md]``
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def conversations(n: int, turns: int, seed: int) -> list[list[str]]:
 
 
 def run(tmp: Path, policy: str, affinity: bool, cache_ram_mib: int, convs: list[list[str]],
-        clients: int, num_predict: int, system: str) -> dict:
-    """One gateway, 2 workers × 2 slots; every conversation's turn t is sent after its turn
+        clients: int, num_predict: int, system: str, slots: int = 2) -> dict:
+    """One gateway, 2 workers × ``slots`` slots; every conversation's turn t is sent after its turn
     t - 1 was answered, all conversations' turn t (in a shuffled order) before any turn t + 1,
     by ``clients`` clients. (In a fixed order round-robin would send every conversation to the
     same worker each round whenever the count is even.)"""
     cfg = base_config(free_port(), scheduler={"policy": policy, "prefix_affinity": affinity})
-    cfg["models"][0].update(slots=2, context=2048, args=["--cache-ram", str(cache_ram_mib)])
+    cfg["models"][0].update(slots=slots, context=2048, args=["--cache-ram", str(cache_ram_mib)])
     gw = start_gateway(tmp, cfg)
     history = [[{"role": "system", "content": system}] for _ in convs]
     prompt = out = 0
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=56)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=2, help="slots per worker")
     ap.add_argument("--num-predict", type=int, default=24)
     ap.add_argument("--cache-ram", type=int, nargs="+", default=[32])
     ap.add_argument("--system-repeat", type=int, default=3,
@@ -99,7 +100,7 @@ def main() -> None:
     tmp = Path("/tmp/llama-gateway-bench")
     tmp.mkdir(exist_ok=True)
     convs = conversations(a.conversations, a.turns, seed=11)
-    lines = [f"### Multi-turn chats on real workers (2 workers × 2 slots × 2048 tokens, demo model; "
+    lines = [f"### Multi-turn chats on real workers (2 workers × {a.slots} slots × 2048 tokens, demo model; "
              f"{a.conversations} conversations × {a.turns} turns sharing one system prompt of "
              f"{len(SYSTEM) * a.system_repeat} bytes, "
              f"{a.clients} clients, {a.num_predict} tokens per answer)", "",
@@ -112,7 +113,7 @@ def main() -> None:
                                 ("least_loaded, no affinity", "least_loaded", False),
                                 ("round_robin", "round_robin", False)]:
             res[label] = run(tmp, pol, aff, ram, convs, a.clients, a.num_predict,
-                             SYSTEM * a.system_repeat)
+                             SYSTEM * a.system_repeat, a.slots)
         rr = res["round_robin"]["cached"]
         base = res["least_loaded, no affinity"]
         base_tps = (base["prompt"] + base["out"]) / base["wall"]
