@@ -284,6 +284,11 @@ class Fleet:
                         prefix_bytes=sc.prefix_bytes,
                         unknown_num_predict=sc.unknown_num_predict_tokens, n_ctx=n_ctx)
 
+    def gpu_of(self, worker_id: str | None) -> str | None:
+        """The worker's ``LaunchSpec.gpu_label`` ("0", "1,3", "cpu"); None for an unknown id."""
+        sup = self.supervisors.get(worker_id) if worker_id else None
+        return sup.spec.gpu_label if sup is not None else None
+
     def endpoint_of(self, worker_id: str) -> Endpoint | None:
         sup = self.supervisors.get(worker_id)
         if sup is None or sup.process is None or not sup.ready:

@@ -203,7 +203,7 @@ class LiveCollector:
                                   labels=labels + ["state"])
         sups = list(gw.fleet.supervisors.values()) if gw.fleet else []
         for sup in sups:
-            lv = [sup.id, sup.spec.alias, ",".join(map(str, sup.spec.gpus)) or "cpu"]
+            lv = [sup.id, sup.spec.alias, sup.spec.gpu_label]
             view = disp.workers.get(sup.id)
             st = worker_state(gw, sup)
             busy.add_metric(lv, view.busy if view else 0)

@@ -64,11 +64,16 @@ class UpstreamError(Exception):
         status: HTTP status to answer with (the worker's, or 502/503/504 for transport faults).
         message: human-readable text (llama-server ``error.message`` when it sent one).
         kind: llama-server ``error.type`` (e.g. ``exceed_context_size_error``) or a transport tag.
+        worker: id of the worker that failed it, set by :meth:`Upstream.request` when the
+            failure came with a lease (the worker's error answer, its connection, its first
+            byte timing out); None when no worker was leased (deadline while queued) or when
+            raised mid-stream (the caller knows the worker from its lease).
     """
 
     def __init__(self, status: int, message: str, kind: str = ""):
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
+        self.worker: str | None = None
 
 
 def parse_error_body(status: int, body: bytes) -> UpstreamError:
@@ -212,8 +217,9 @@ class Upstream:
         ``on_admitted()`` (optional) is called once admission took the ticket (a slot, or a
         place in the queue), before any wait.
 
-        The response has status < 400 (errors raise ``UpstreamError``). On exit the response
-        is closed (so the worker sees a disconnect and frees its slot) and the lease released.
+        The response has status < 400 (errors raise ``UpstreamError``, its ``worker`` the
+        worker that failed it). On exit the response is closed (so the worker sees a
+        disconnect and frees its slot) and the lease released.
         Raises QueueFull / QueueTimeout from admission, UpstreamError after ``attempts``.
         """
         assert self.session is not None
@@ -268,6 +274,7 @@ class Upstream:
                 if resp.status >= 400:
                     raise parse_error_body(resp.status, await resp.read())
             except UpstreamError as e:
+                e.worker = lease.worker.id
                 self._give_back(ticket.request_id, lease, resp, deadline, hold=False)
                 if e.kind in RETRYABLE and attempt + 1 < self.attempts:
                     ticket.avoid = ticket.avoid | {lease.worker.id}

@@ -47,9 +47,16 @@ read before the command line, so ``-lv`` in ``args`` wins; older builds ignore i
 llama-server's per-request info lines (slot selection, launch, timings, release: about nine
 per request) from being written at all. The gateway logs those lines only at debug
 (:meth:`WorkerProcess._emit`), so unless its own level is debug it would read and drop each
-one, a wakeup of its event loop during the request."""
+one, a wakeup of its event loop during the request. An operator's own verbosity
+(:attr:`LaunchSpec.operator_verbosity`) wins, and its lines are logged at info."""
 
 QUIET_LOG_VERBOSITY = 2
+
+VERBOSITY_FLAGS = frozenset({"-lv", "--verbosity", "--log-verbosity",
+                             "-v", "--verbose", "--log-verbose"})
+"""llama-server's options that set its log verbosity (pinned build, common/arg.cpp: ``-lv N``
+and its aliases; ``-v`` and its aliases for every message). Its parser takes an option's value
+as the next argument only (no ``--opt=value``)."""
 
 IDLE_SLOTS_ENV = "LLAMA_ARG_CACHE_IDLE_SLOTS"
 """Workers run with ``--no-cache-idle-slots``, given as this environment variable (pinned
@@ -83,7 +90,8 @@ class LaunchSpec:
         embeddings: pass ``--embeddings``.
         extra_args: appended last (operator's args win).
         log_verbosity: llama-server's ``--log-verbosity``, given as :data:`LOG_VERBOSITY_ENV`,
-            or None for its default (3, info: about nine lines per request).
+            or None for its default (3, info: about nine lines per request). The operator's
+            own (:attr:`operator_verbosity`) wins.
     """
 
     worker_id: str
@@ -97,6 +105,20 @@ class LaunchSpec:
     embeddings: bool = False
     extra_args: list[str] = field(default_factory=list)
     log_verbosity: int | None = None
+
+    @property
+    def operator_verbosity(self) -> bool:
+        """Whether the operator chose the worker's log verbosity: one of
+        :data:`VERBOSITY_FLAGS` in ``extra_args`` (the model's ``args`` or
+        ``llama_server.extra_args``), or :data:`LOG_VERBOSITY_ENV` in the gateway's
+        environment (which :meth:`env` then passes on unchanged)."""
+        return (LOG_VERBOSITY_ENV in os.environ
+                or any(a in VERBOSITY_FLAGS for a in self.extra_args))
+
+    @property
+    def gpu_label(self) -> str:
+        """The worker's GPUs as its logs and metrics name them: ``"0"``, ``"1,3"``, or ``"cpu"``."""
+        return ",".join(map(str, self.gpus)) or "cpu"
 
     def argv(self, port: int) -> list[str]:
         args = [str(self.binary), "-m", str(self.model_path), "--host", "127.0.0.1",
@@ -137,8 +159,8 @@ class WorkerProcess:
         self.api_key = ""
         self.proc: asyncio.subprocess.Process | None = None
         self._pipes: list[asyncio.Task] = []
-        gpu = ",".join(map(str, spec.gpus)) or "cpu"
-        self.log = get_logger("workers.process", worker=spec.worker_id, gpu=gpu)
+        self.log = get_logger("workers.process", worker=spec.worker_id, gpu=spec.gpu_label)
+        self._operator_verbosity = spec.operator_verbosity
 
     @property
     def url(self) -> str:
@@ -179,11 +201,15 @@ class WorkerProcess:
                 self._emit(name, text)
 
     def _emit(self, stream: str, text: str) -> None:
-        """Log one worker output line at the level llama-server gave it.
+        """Log one worker output line (``worker.output``) at the level llama-server gave it.
 
         llama-server prefixes its log lines with a timestamp and a level letter
         (``0.00.009.380 E llama_model_load…``): E → error, W → warning, everything else
-        (per-request chatter) → debug, so the gateway's info log stays readable.
+        (per-request chatter, trace and debug lines, lines without a prefix) → debug, so the
+        gateway's info log stays readable; but → info when the operator set the worker's
+        verbosity (:attr:`LaunchSpec.operator_verbosity`): they asked the worker for those
+        lines, so they appear at the gateway's default level, as ``-lv`` gives them in
+        llama-server's own output.
         """
         parts = text.split(" ", 2)
         level = parts[1] if len(parts) > 2 and len(parts[1]) == 1 else ""
@@ -191,6 +217,8 @@ class WorkerProcess:
             self.log.error("worker.output", stream=stream, line=text)
         elif level == "W":
             self.log.warning("worker.output", stream=stream, line=text)
+        elif self._operator_verbosity:
+            self.log.info("worker.output", stream=stream, line=text)
         else:
             self.log.debug("worker.output", stream=stream, line=text)
 

@@ -95,8 +95,7 @@ class WorkerSupervisor:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._ready_evt = asyncio.Event()
-        gpu = ",".join(map(str, spec.gpus)) or "cpu"
-        self.log = get_logger("workers.supervisor", worker=spec.worker_id, gpu=gpu)
+        self.log = get_logger("workers.supervisor", worker=spec.worker_id, gpu=spec.gpu_label)
 
     @property
     def id(self) -> str:

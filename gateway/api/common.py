@@ -11,8 +11,12 @@ import orjson
 from aiohttp import web
 
 from gateway.api.errors import ApiError
+from gateway.logs import get_logger
 from gateway.scheduling import Ticket, TooLarge, TooManySlots
 from gateway.texts import header_text
+from gateway.upstream import UpstreamError
+
+log = get_logger("gateway.api")
 
 STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 
@@ -100,6 +104,22 @@ def request_id(request: web.Request) -> str:
         rid = given if given and _REQUEST_ID.fullmatch(given) else f"{_ids.getrandbits(128):032x}"
         request["request_id"] = rid
     return rid
+
+
+def note_upstream_error(request: web.Request, message: str, streamed: bool,
+                        error: UpstreamError | None = None) -> None:
+    """A worker failed ``request`` (its error answer, an error event mid-stream, a broken or
+    silent connection): ``request["error"]`` = ``message``, ``request["worker"]`` = the worker
+    (the lease's, from ``note_lease``; else ``error.worker``, a worker that refused before
+    answering, so ``request.done`` names it too), and one ``request.upstream_error`` warning
+    with request_id, worker, gpu (``Fleet.gpu_of``: "0", "1,3", "cpu"; None when no worker was
+    leased), error (``message``) and streamed (whether the client's answer had begun)."""
+    if request.get("worker") is None and error is not None and error.worker:
+        request["worker"] = error.worker
+    worker = request.get("worker")
+    request["error"] = message
+    log.warning("request.upstream_error", request_id=request.get("request_id"), worker=worker,
+                gpu=request.app["gw"].fleet.gpu_of(worker), error=message, streamed=streamed)
 
 
 def make_ticket(request: web.Request, model: str, default_priority: int,

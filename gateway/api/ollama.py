@@ -25,7 +25,8 @@ from aiohttp import web
 from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import model_capabilities, require
-from gateway.api.common import make_ticket, read_json, start_stream, t0_ns, visible_entries
+from gateway.api.common import (make_ticket, note_upstream_error, read_json, start_stream, t0_ns,
+                                visible_entries)
 from gateway.api.errors import ApiError, admission_error, ollama_error
 from gateway.api.ollama_mapping import (
     CONTEXT_OVERFLOW_MESSAGE,
@@ -210,6 +211,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     st = StreamState(t_start_ns=t0_ns(request))
     is_chat = path.endswith("chat/completions")
     out: web.StreamResponse | None = None
+    failure: UpstreamError | None = None
     try:
         async with gw.upstream.request(ticket, path, upstream_body) as (lease, resp):
             st.t_loaded_ns = time.monotonic_ns()
@@ -240,11 +242,10 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         return _refused(gw, e)
     except UpstreamError as e:
+        failure = e
         st.error, st.error_status = upstream_error_text(e)
     if st.error:
-        log.warning("request.upstream_error", request_id=request.get("request_id"),
-                    worker=request.get("worker"), error=st.error, streamed=out is not None)
-        request["error"] = st.error
+        note_upstream_error(request, st.error, out is not None, failure)
         if out is None:
             return ollama_error(st.error_status, st.error)
         return await _end_with_error(out, st.error)

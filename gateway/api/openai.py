@@ -18,16 +18,14 @@ from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN
-from gateway.api.common import make_ticket, read_json, start_stream, visible_entries
+from gateway.api.common import (make_ticket, note_upstream_error, read_json, start_stream,
+                                visible_entries)
 from gateway.api.capabilities import require
 from gateway.api.errors import (ApiError, admission_error, model_not_found_v1, openai_error,
                                 openai_error_body)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
-from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage, note_usage
 from gateway.upstream import UpstreamError, error_event, iter_sse_batches, read_all
-
-log = get_logger("gateway.api.openai")
 
 
 def _gw(request: web.Request):
@@ -115,9 +113,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         client_fault = e.status == 500 and ("Failed to parse" in e.message or "json.exception" in e.message)
         status = 400 if e.kind == "exceed_context_size_error" or client_fault else (
             e.status if 400 <= e.status < 500 or e.status in (502, 503, 504) else 500)
-        log.warning("request.upstream_error", request_id=request.get("request_id"),
-                    worker=request.get("worker"), error=e.message, streamed=out is not None)
-        request["error"] = e.message
+        note_upstream_error(request, e.message, out is not None, e)
         if out is None:
             return openai_error(status, e.message)
         await out.write(_sse(openai_error_body(status, e.message)))

@@ -34,6 +34,11 @@ def test_env_pins_gpus_and_carries_key():
     assert spec(gpus=()).env("k")["CUDA_VISIBLE_DEVICES"] == ""
 
 
+def test_gpu_label_names_gpus_or_cpu():
+    assert spec().gpu_label == "1,3" and spec(gpus=(0,)).gpu_label == "0"
+    assert spec(gpus=()).gpu_label == "cpu"
+
+
 def test_env_turns_idle_slot_caching_off_unless_the_operator_set_it(monkeypatch):
     monkeypatch.delenv("LLAMA_ARG_CACHE_IDLE_SLOTS", raising=False)
     assert spec().env("k")["LLAMA_ARG_CACHE_IDLE_SLOTS"] == "0"
@@ -49,15 +54,19 @@ def test_env_sets_log_verbosity_when_given_unless_the_operator_set_it(monkeypatc
     assert spec(log_verbosity=QUIET_LOG_VERBOSITY).env("k")["LLAMA_ARG_LOG_VERBOSITY"] == "4"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("verbosity", [None, QUIET_LOG_VERBOSITY])
-def test_worker_errors_reach_the_log_as_errors(tmp_path, monkeypatch, verbosity):
-    """A real llama-server on a missing model exits; its 'E' lines are logged at error level,
-    also at the quiet verbosity, which leaves out its info ('I') lines."""
+def test_operator_verbosity_is_a_verbosity_flag_in_args_or_the_variable(monkeypatch):
     monkeypatch.delenv("LLAMA_ARG_LOG_VERBOSITY", raising=False)
-    s = spec(binary=ensure_llama_server(), model_path=tmp_path / "missing.gguf", gpus=(),
-             log_verbosity=verbosity)
+    assert not spec(extra_args=["--alias", "x", "-t", "4"]).operator_verbosity
+    assert all(spec(extra_args=[flag, "4"]).operator_verbosity
+               for flag in ("-lv", "--verbosity", "--log-verbosity"))
+    assert spec(extra_args=["-v"]).operator_verbosity
+    monkeypatch.setenv("LLAMA_ARG_LOG_VERBOSITY", "4")
+    assert spec().operator_verbosity
 
+
+def _run_on_missing_model(tmp_path, s: LaunchSpec) -> list[dict]:
+    """Start a real llama-server on a model file that does not exist (it exits at once); the
+    events logged meanwhile. Checks the pid file exists while it runs and is gone after."""
     async def run():
         p = WorkerProcess(s, state_dir=tmp_path / "run")
         with capture_logs() as logs:
@@ -68,11 +77,46 @@ def test_worker_errors_reach_the_log_as_errors(tmp_path, monkeypatch, verbosity)
 
     rc, logs = asyncio.run(run())
     assert rc != 0
+    assert not (tmp_path / "run" / "m-gpu1.pid").exists()
+    return logs
+
+
+def _info_lines(logs: list[dict]) -> list[dict]:
+    """The ``worker.output`` events of llama-server's info ('I') lines."""
+    return [e for e in logs if e["event"] == "worker.output" and e["line"].split(" ")[1:2] == ["I"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbosity", [None, QUIET_LOG_VERBOSITY])
+def test_worker_errors_reach_the_log_as_errors(tmp_path, monkeypatch, verbosity):
+    """A real llama-server on a missing model exits; its 'E' lines are logged at error level,
+    also at the quiet verbosity, which leaves out its info ('I') lines; without it (gateway
+    at debug) the info lines are logged at debug."""
+    monkeypatch.delenv("LLAMA_ARG_LOG_VERBOSITY", raising=False)
+    logs = _run_on_missing_model(tmp_path, spec(
+        binary=ensure_llama_server(), model_path=tmp_path / "missing.gguf", gpus=(),
+        log_verbosity=verbosity))
     errors = [e for e in logs if e["event"] == "worker.output" and e["log_level"] == "error"]
     assert any("failed to load model" in e["line"] for e in errors), logs[-5:]
-    info = [e for e in logs if e["event"] == "worker.output" and e["line"].split(" ")[1:2] == ["I"]]
+    info = _info_lines(logs)
     assert (len(info) == 0) == (verbosity == QUIET_LOG_VERBOSITY), info[:3]
-    assert not (tmp_path / "run" / "m-gpu1.pid").exists()
+    assert all(e["log_level"] == "debug" for e in info), info[:3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["args", "env"])
+def test_operator_verbosity_logs_worker_info_lines_at_info(tmp_path, monkeypatch, how):
+    """The gateway below debug starts workers quiet; an operator who raised the worker's
+    verbosity (``-lv 4`` in the model's args, or ``LLAMA_ARG_LOG_VERBOSITY=4`` in the
+    gateway's environment) gets its info lines, and at info, not only at gateway debug."""
+    monkeypatch.delenv("LLAMA_ARG_LOG_VERBOSITY", raising=False)
+    if how == "env":
+        monkeypatch.setenv("LLAMA_ARG_LOG_VERBOSITY", "4")
+    logs = _run_on_missing_model(tmp_path, spec(
+        binary=ensure_llama_server(), model_path=tmp_path / "missing.gguf", gpus=(),
+        log_verbosity=QUIET_LOG_VERBOSITY, extra_args=["-lv", "4"] if how == "args" else []))
+    info = _info_lines(logs)
+    assert info and all(e["log_level"] == "info" for e in info), info[:3]
 
 
 def test_reap_stale_workers_kills_only_matching_binary(tmp_path):
