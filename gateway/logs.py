@@ -12,7 +12,7 @@ lines of its own.
 
 One stdlib record is renamed: aiohttp's ``"Error handling request from %s"`` (a request its HTTP
 parser refused, answered by aiohttp with its own text/plain 400; or a handler that raised) is
-``event: "Error handling request"`` with the client's address in ``remote`` instead of in the
+``event: "request.unparsed"`` with the client's address in ``remote`` instead of in the
 event, so it is one event name whoever sent it; for a parser refusal ``status`` and ``error``
 are aiohttp's status and reason (what the client was answered). Its level stays aiohttp's
 (error, debug for a first request that is not HTTP at all).
@@ -40,7 +40,7 @@ def _stdlib_fields(_logger, _name: str, event_dict: dict) -> dict:
     record = event_dict.get("_record")
     if record is None or record.name != "aiohttp.server" or record.msg != _AIOHTTP_REQUEST_ERROR:
         return event_dict
-    event_dict["event"] = "Error handling request"
+    event_dict["event"] = "request.unparsed"
     if args:
         event_dict["remote"] = args[0]
     exc = (event_dict.get("exc_info") or (None, None))[1]

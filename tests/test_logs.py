@@ -59,7 +59,7 @@ def test_aiohttp_request_error_is_one_event_name_with_fields(stderr):
     logging.getLogger("aiohttp.server").exception("Error handling request from %s", "10.1.2.3",
                                                   exc_info=exc)
     [rec] = lines(stderr)
-    assert rec["event"] == "Error handling request" and rec["logger"] == "aiohttp.server"
+    assert rec["event"] == "request.unparsed" and rec["logger"] == "aiohttp.server"
     assert rec["remote"] == "10.1.2.3" and rec["level"] == "error"
     assert rec["status"] == 400 and rec["error"] == "Duplicate 'Content-Type' header found."
     assert "BadHttpMessage" in rec["exception"]

@@ -67,7 +67,7 @@ def test_request_aiohttp_refuses_is_one_json_record_and_the_next_is_answered(gw,
     (``logger: aiohttp.server``, aiohttp's level, the traceback in ``exception``), not the
     traceback's lines in the JSON log."""
     def rejected(r):
-        return r.get("logger") == "aiohttp.server" and r["event"] == "Error handling request"
+        return r.get("logger") == "aiohttp.server" and r["event"] == "request.unparsed"
     before = len(wait_for(gw, rejected, timeout=0))
     out = raw_exchange(gw.port, head)
     assert out.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), out[:200]
