@@ -152,6 +152,7 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
         ticket.prefill_tokens = size.prefill_tokens
         ticket.prefix_key, ticket.prefix_chain = size.prefix_key, size.prefix_chain
         ticket.slots, ticket.prompts = size.slots, size.prompts
+        gw.dispatcher.cut_slots(ticket)  # several prompts: at most the largest worker
         try:
             gw.dispatcher.check_fits(ticket)
         except (TooLarge, TooManySlots) as e:

@@ -24,7 +24,9 @@ from gateway.api.capabilities import require
 from gateway.api.errors import (ApiError, admission_error, model_not_found_v1, openai_error,
                                 openai_error_body)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
+from gateway.api.openai_usage import UsageSum
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage, note_usage
+from gateway import sizing
 from gateway.upstream import UpstreamError, error_event, iter_sse_batches, read_all
 
 
@@ -80,8 +82,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     body["model"] = entry.name
     # A non-streamed request is streamed from the worker and folded (module doc); its
     # stream_options change nothing the client sees, as llama-server ignores them then.
+    per_prompt = sizing.choices(body)  # tasks per prompt, which groups the usages to sum
     fold = None if stream or needs_non_streamed_upstream(body, required == "messages") else \
-        OpenAIFold(chat=required == "messages")
+        OpenAIFold(chat=required == "messages", per_prompt=per_prompt)
     if stream or fold is not None:  # always ask upstream; the client's view is decided in _relay_stream
         body["stream"] = True
         body["stream_options"] = {**(so or {}), "include_usage": True}
@@ -103,7 +106,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 note_openai_usage(request, data)
                 return web.Response(body=data, content_type="application/json")
             out = await start_stream(request, "text/event-stream")
-            await _relay_stream(request, resp, out, include_usage)
+            await _relay_stream(request, resp, out, include_usage, UsageSum(per_prompt))
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         err = admission_error(e, gw.config.queue.retry_after_s)
         return openai_error(err.status, err.message, err.headers)
@@ -173,17 +176,18 @@ def _sse(obj) -> bytes:
 
 
 async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
-                        include_usage: bool) -> None:
+                        include_usage: bool, usage: UsageSum) -> None:
     """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
     with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
     it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
     itself, which is split off here. With several tasks (``n > 1``, several prompts) llama-server
-    sends a usage per task, in the middle of the stream; only the first is kept and sent last,
-    once (per task, not summed: README known gaps). llama-server's ``data: null`` events (it
+    sends a usage per task, in the middle of the stream; they are summed into ``usage`` (the
+    whole request's, as OpenAI reports it: ``openai_usage``) and sent once, last, in the head
+    (``id``, ``created``, …) of the first. llama-server's ``data: null`` events (it
     starts a several-prompt stream with one) are dropped: OpenAI never sends them and its
     client fails on them. An upstream ``{"error": …}`` event ends the stream (raised as
     UpstreamError so the caller writes an OpenAI error event)."""
-    last: bytes | None = None
+    head: dict | None = None  # the first usage event, less its choices, usage and timings
     async for batch in iter_sse_batches(resp):
         note_first_byte(request)
         parts: list[bytes] = []
@@ -193,21 +197,24 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
                     parts.append(b"data: " + data + b"\n\n")  # hot path: pass it through
                 continue
             ev = orjson.loads(data)
-            if b'"usage"' in data:
-                note_usage(request, ev.get("usage"))
             if "error" in ev:
                 if parts:
                     await out.write(b"".join(parts))
                 raise error_event(ev["error"])
-            usage = ev.pop("usage", None)
+            task_usage = ev.pop("usage", None)
             if ev.get("choices"):
                 parts.append(_sse(ev))
-            if usage is not None and include_usage and last is None:
-                last = _sse({k: v for k, v in ev.items() if k not in ("choices", "timings")}
-                            | {"choices": [], "usage": usage})
+            if task_usage is not None:
+                usage.add(task_usage, ev["choices"][0].get("index") if ev.get("choices") else None)
+                note_usage(request, usage.total())
+                if head is None:
+                    head = {k: v for k, v in ev.items() if k not in ("choices", "timings")}
         if parts:  # everything that arrived together goes out in one write
             await out.write(b"".join(parts))
-    await out.write((last or b"") + b"data: [DONE]\n\n")
+    last = b""
+    if include_usage and head is not None:
+        last = _sse(head | {"choices": [], "usage": usage.total()})
+    await out.write(last + b"data: [DONE]\n\n")
 
 
 async def _fold_stream(request: web.Request, resp, fold: OpenAIFold) -> dict:

@@ -15,9 +15,11 @@ object llama-server itself would have answered. Shapes follow the pinned llama-s
 * completions, ``to_json_oaicompat``: ``{"choices": [{"text", "index", "logprobs",
   "finish_reason"}], "created", "model", "system_fingerprint", "object": "text_completion",
   "usage", "id", "timings"?}`` with ``logprobs`` null unless requested.
-* ``n > 1`` (and several prompts): one choice per index in index order, with ``usage``,
-  ``timings`` and ``created`` of choice 0, as ``handle_completions_impl`` merges its results.
-  A chat stream's usage chunk (``choices: []``) follows the finish chunk of its own choice.
+* ``n > 1`` (and several prompts): one choice per index in index order, with ``timings`` and
+  ``created`` of choice 0, as ``handle_completions_impl`` merges its results. ``usage`` is not
+  llama-server's (task 0's only) but the whole request's, as OpenAI reports it
+  (``openai_usage.UsageSum`` over every choice's usage). A chat stream's usage chunk
+  (``choices: []``) follows the finish chunk of its own choice.
 
 Differences the stream cannot avoid (what llama-server streams lacks the facts; checked on
 the pinned build): an answer cut by ``max_tokens`` inside a multi-byte character ends,
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.api.openai_usage import UsageSum
 from gateway.upstream import BROKE_MESSAGE, UpstreamError, error_event
 
 
@@ -70,10 +73,13 @@ class OpenAIFold:
 
     Args:
         chat: True for ``/v1/chat/completions`` chunks, False for ``/v1/completions``.
+        per_prompt: tasks per prompt (the body's ``n``; ``gateway.sizing.choices``), which
+            groups the choices' usages by prompt.
     """
 
-    def __init__(self, chat: bool):
+    def __init__(self, chat: bool, per_prompt: int = 1):
         self.chat = chat
+        self.per_prompt = per_prompt
         self.head: dict = {}
         self.choices: dict[int, _Choice] = {}
         self._finished: _Choice | None = None  # the choice whose finish chunk came last
@@ -130,11 +136,14 @@ class OpenAIFold:
             raise UpstreamError(502, BROKE_MESSAGE, "stream_incomplete")
         ordered = [self.choices[i] for i in sorted(self.choices)]
         first = ordered[0]
+        usage = UsageSum(self.per_prompt)
+        for c in ordered:
+            usage.add(c.usage, c.index)
         out = {"choices": [self._choice(c) for c in ordered], "created": first.created,
                "model": self.head.get("model"),
                "system_fingerprint": self.head.get("system_fingerprint"),
                "object": "chat.completion" if self.chat else "text_completion",
-               "usage": first.usage, "id": self.head.get("id")}
+               "usage": usage.total(), "id": self.head.get("id")}
         if first.timings is not None:
             out["timings"] = first.timings
         return out

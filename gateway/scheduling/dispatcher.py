@@ -217,25 +217,38 @@ class Dispatcher:
         assert worker.free >= ticket.slots, "scorer picked a worker without enough free slots"
         return SlotLease(worker, ticket, now, self._on_release)
 
-    def check_fits(self, ticket: Ticket) -> None:
-        """Raise ``TooManySlots`` when the ticket's choices (``n``) are more than any worker of
-        its model has slots, and ``TooLarge`` when its prompt estimate cannot fit the per-slot
-        context of any worker of its model (workers with unknown context never refuse).
+    def _most_slots(self, model: str) -> int:
+        """The largest ``slots`` of a worker of ``model`` (0 when it has none)."""
+        return max((w.slots for w in self.workers.values() if w.model == model), default=0)
 
-        A ticket of several prompts (``Ticket.prompts``) that needs more slots than the largest
-        worker has is cut down to that worker's size: it waits for a whole worker and holds
-        all of it, and llama-server runs the tasks beyond its slots as those of the same
-        request finish (it accepts any number of prompts, ``tokenize_input_prompts``;
-        OpenAI too). Its worker gets nothing else meanwhile, so only the request's own tasks
-        wait inside the worker."""
+    def cut_slots(self, ticket: Ticket) -> None:
+        """Cut a ticket of several prompts (``Ticket.prompts``) that needs more slots than the
+        largest worker of its model has down to that worker's size: it waits for a whole
+        worker and holds all of it, and llama-server runs the tasks beyond its slots as those
+        of the same request finish (it accepts any number of prompts,
+        ``tokenize_input_prompts``; OpenAI too). Its worker gets nothing else meanwhile, so
+        only the request's own tasks wait inside the worker.
+
+        Called where the ticket is made (``gateway.api.common.make_ticket``) and again by
+        ``submit``, as the fleet may have changed in between (a reload). Leaves every other
+        ticket alone, including one whose choices (``n``) alone are more than any worker's
+        slots (``check_fits`` refuses it)."""
+        if ticket.slots <= 1 or ticket.prompts <= 1:
+            return
+        most = self._most_slots(ticket.model)
+        if most and ticket.slots > most and ticket.slots // ticket.prompts <= most:
+            ticket.slots = most
+
+    def check_fits(self, ticket: Ticket) -> None:
+        """Raise ``TooManySlots`` when the ticket's choices (``n``: ``slots`` ÷ ``prompts``)
+        are more than any worker of its model has slots, and ``TooLarge`` when its prompt
+        estimate cannot fit the per-slot context of any worker of its model (workers with
+        unknown context never refuse). Only checks: changes nothing (``cut_slots`` sizes a
+        ticket of several prompts to the fleet)."""
         if ticket.slots > 1:
-            most = max((w.slots for w in self.workers.values() if w.model == ticket.model),
-                       default=0)
-            if most and ticket.slots > most:
-                n = ticket.slots // ticket.prompts
-                if n > most:
-                    raise TooManySlots(n, most)
-                ticket.slots = most
+            most = self._most_slots(ticket.model)
+            if most and ticket.slots > most and ticket.slots // ticket.prompts > most:
+                raise TooManySlots(ticket.slots // ticket.prompts, most)
         if ticket.prompt_tokens <= 0:
             return
         ctxs = [w.n_ctx for w in self.workers.values() if w.model == ticket.model]
@@ -247,8 +260,10 @@ class Dispatcher:
     def submit(self, ticket: Ticket) -> SlotLease | None:
         """Admit ``ticket``: a lease at once if a slot is free and nobody for that model waits
         ahead of it, else queue it (returns None). Raises ``QueueFull`` when the queue is at
-        ``max_pending`` (not for a ``follow_on`` ticket) and ``refusal``'s ``Unavailable``.
+        ``max_pending`` (not for a ``follow_on`` ticket) and ``refusal``'s ``Unavailable``;
+        ``check_fits``'s ``TooManySlots`` and ``TooLarge``, after ``cut_slots``.
         """
+        self.cut_slots(ticket)
         self.check_fits(ticket)
         now = self.clock()
         ticket.enqueued_at = now

@@ -15,7 +15,10 @@ class SlotLease:
     ``release()`` or on leaving a ``with`` block.
 
     Release is idempotent: the second call does nothing, so a ``finally`` and an explicit
-    release can both run. The ``on_release`` callback (the dispatcher's) runs once.
+    release can both run. The ``on_release`` callback (the dispatcher's) runs once. This is the
+    only guard: the worker's ``hold`` / ``drop`` / ``prefilled`` count every call, so the
+    lease calls each at most once (``hold`` on creation, ``drop`` on the first release,
+    ``prefilled`` on the first ``first_token`` before release).
     """
 
     __slots__ = ("worker", "ticket", "granted_at", "slots", "_on_release", "_released",
@@ -38,7 +41,12 @@ class SlotLease:
 
     def first_token(self) -> None:
         """The worker sent the request's first token (or first answer byte): its prompt is
-        computed, so it leaves the worker's prefill backlog (``WorkerView.prefill_backlog``)."""
+        computed, so it leaves the worker's prefill backlog (``WorkerView.prefill_backlog``).
+        Only the first call counts, and none after ``release`` (which took it out already)."""
+        if not self.prefilling:
+            return
+        if not self._released:
+            self.worker.prefilled(self)
         self.prefilling = False
 
     def release(self):

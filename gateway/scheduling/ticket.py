@@ -40,7 +40,7 @@ class Ticket:
             them all until it ends (``gateway.sizing.choices``); a ``/v1/completions`` with
             several prompts runs ``n`` tasks for each, so ``slots`` is prompts × ``n``.
         prompts: how many prompts ``slots`` is made of (1 unless a ``/v1/completions`` sends a
-            list of prompts; ``gateway.sizing.prompts_of``). ``Dispatcher.check_fits`` cuts
+            list of prompts; ``gateway.sizing.prompts_of``). ``Dispatcher.cut_slots`` cuts
             the ``slots`` of several prompts down to the largest worker's slots (see there).
     """
 

@@ -38,7 +38,10 @@ class WorkerView:
     for a ``/v1`` request with ``n`` choices). It is a counter kept by ``hold`` and ``drop``,
     the only places a lease joins or leaves ``leases`` (the scorer reads it many times per
     decision), so it always equals the sum over ``leases``: it is never negative, and dispatch
-    never lets it exceed ``slots``.
+    never lets it exceed ``slots``. ``prefill_backlog`` and ``kv_reserved`` are counters of the
+    same kind (``prefilled`` too keeps the first). Each lease calls ``hold`` once when it is
+    taken, and ``drop`` and ``prefilled`` at most once, while it is held: ``SlotLease``
+    guards that, so these methods do not check again.
     Polled telemetry (``load``) only *corrects scores*: ``phantom`` counts slots the worker
     reports busy that the gateway holds no lease for (e.g. a cancelled request still winding
     down); it never changes ``free``.
@@ -80,18 +83,48 @@ class WorkerView:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     releases: deque = field(default_factory=lambda: deque(maxlen=256))  # clock s of releases
     _busy: int = field(default=0, init=False, repr=False)  # sum of ``l.slots`` over ``leases``
+    # sum of ``l.ticket.prefill_tokens`` over the ``leases`` still ``prefilling``
+    _prefill: int = field(default=0, init=False, repr=False)
+    # sum of ``_kv_of(l)`` over ``leases``, at the per-slot cap ``_kv_ctx`` (``n_ctx`` then)
+    _kv: int = field(default=0, init=False, repr=False)
+    _kv_ctx: int = field(default=0, init=False, repr=False)
 
     def hold(self, lease) -> None:
-        """Add a live lease (``SlotLease`` calls it when it is taken); counts its slots."""
-        if lease not in self.leases:
-            self.leases.add(lease)
-            self._busy += lease.slots
+        """Add a live lease (``SlotLease`` calls it once, when it is taken); counts its slots,
+        its prefill (it has had no first token yet) and its KV reservation."""
+        self._sync_kv()
+        self.leases.add(lease)
+        self._busy += lease.slots
+        if lease.prefilling:
+            self._prefill += lease.ticket.prefill_tokens
+        self._kv += self._kv_of(lease)
 
     def drop(self, lease) -> None:
-        """Remove a lease (on its release); gives its slots back. A second call does nothing."""
-        if lease in self.leases:
-            self.leases.discard(lease)
-            self._busy -= lease.slots
+        """Remove a held lease (``SlotLease`` calls it once, on its release); gives back what
+        ``hold`` counted."""
+        self._sync_kv()
+        self.leases.remove(lease)
+        self._busy -= lease.slots
+        if lease.prefilling:
+            self._prefill -= lease.ticket.prefill_tokens
+        self._kv -= self._kv_of(lease)
+
+    def prefilled(self, lease) -> None:
+        """A held lease had its first token (``SlotLease.first_token`` calls it once, before it
+        clears ``lease.prefilling``): its prompt leaves ``prefill_backlog``."""
+        self._prefill -= lease.ticket.prefill_tokens
+
+    def _kv_of(self, lease) -> int:
+        """The tokens ``lease`` may occupy: its estimate capped at ``n_ctx`` in each slot."""
+        est = lease.ticket.est_tokens
+        return (min(est, self.n_ctx) if self.n_ctx else est) * lease.slots
+
+    def _sync_kv(self) -> None:
+        """Recount ``kv_reserved`` when ``n_ctx`` changed since it was counted (the cap of
+        every lease's share changed; ``n_ctx`` is set when read back from the worker, rarely)."""
+        if self._kv_ctx != self.n_ctx:
+            self._kv_ctx = self.n_ctx
+            self._kv = sum(self._kv_of(l) for l in self.leases)
 
     def note_release(self, at: float, slots: int = 1) -> None:
         """A lease of this worker holding ``slots`` slots ended at clock ``at`` (seconds)."""
@@ -134,16 +167,17 @@ class WorkerView:
     @property
     def prefill_backlog(self) -> int:
         """Prompt tokens the worker still has to compute before the first tokens of its live
-        leases: the ``prefill_tokens`` estimates of leases that have not had a first token."""
-        return sum(l.ticket.prefill_tokens for l in self.leases if l.prefilling)
+        leases: the ``prefill_tokens`` estimates of leases that have not had a first token
+        (a counter kept by ``hold``, ``drop`` and ``prefilled``)."""
+        return self._prefill
 
     @property
     def kv_reserved(self) -> int:
         """Tokens the live leases may occupy (gateway estimate, each slot's capped at ``n_ctx``;
-        a lease of ``n`` slots holds its estimate in each)."""
-        cap = self.n_ctx or None
-        return sum((min(l.ticket.est_tokens, cap) if cap else l.ticket.est_tokens) * l.slots
-                   for l in self.leases)
+        a lease of ``n`` slots holds its estimate in each). A counter kept by ``hold`` and
+        ``drop``, recounted once after ``n_ctx`` changes."""
+        self._sync_kv()
+        return self._kv
 
     @property
     def kv_used(self) -> int:

@@ -21,8 +21,8 @@ from gateway.upstream import UpstreamError
 RECORDED = json.loads(Path(__file__).with_name("openai_sse_recorded.json").read_text())
 
 
-def fold(events: list[dict], chat: bool) -> dict:
-    f = OpenAIFold(chat=chat)
+def fold(events: list[dict], chat: bool, per_prompt: int = 1) -> dict:
+    f = OpenAIFold(chat=chat, per_prompt=per_prompt)
     for ev in events:
         f.add(ev)
     return f.result()
@@ -34,11 +34,29 @@ def _unstable(obj: dict) -> dict:
     return {**obj, "id": None, "created": None, "timings": sorted(obj.get("timings", {}))}
 
 
+#: The whole request's usage (OpenAI's) of the recorded several-task cases, by hand from
+#: their events' per-task usages: completion tokens summed over the tasks, prompt tokens once
+#: per prompt. The worker's own non-streamed answer carries task 0's usage instead.
+SUMMED = {
+    "chat_n2_logprobs": {"completion_tokens": 3 + 3, "prompt_tokens": 14, "total_tokens": 20,
+                         "prompt_tokens_details": {"cached_tokens": 0}},
+    "completion_n2_logprobs": {"completion_tokens": 3 + 3, "prompt_tokens": 2, "total_tokens": 8,
+                               "prompt_tokens_details": {"cached_tokens": 0}},
+    "completion_two_prompts": {"completion_tokens": 4 + 4, "prompt_tokens": 1 + 2,
+                               "total_tokens": 11, "prompt_tokens_details": {"cached_tokens": 0}},
+}
+
+
 @pytest.mark.parametrize("name", sorted(RECORDED))
 def test_recorded_stream_folds_into_the_workers_own_non_streamed_answer(name):
+    """Equal to the worker's non-streamed answer, but for the usage of a several-task request,
+    which is the whole request's (``SUMMED``)."""
     case = RECORDED[name]
-    got = fold(case["events"], chat=case["path"].endswith("chat/completions"))
+    got = fold(case["events"], chat=case["path"].endswith("chat/completions"),
+               per_prompt=case["request"].get("n", 1))
     want = case["non_streamed"]
+    if len(want["choices"]) > 1:
+        want = {**want, "usage": SUMMED[name]}
     assert _unstable(got) == _unstable(want)
     assert list(got) == list(want)  # same keys in the same order as llama-server's
     for g, w in zip(got["choices"], want["choices"]):
@@ -46,15 +64,16 @@ def test_recorded_stream_folds_into_the_workers_own_non_streamed_answer(name):
     assert got["id"] == case["events"][-1]["id"] and isinstance(got["created"], int)
 
 
-def test_n2_takes_usage_and_timings_of_choice_0_even_when_choice_1_ends_first():
-    events = RECORDED["chat_n2_logprobs"]["events"]
+def test_n2_sums_each_choices_usage_and_takes_timings_of_choice_0_when_choice_1_ends_first():
+    events = json.loads(json.dumps(RECORDED["chat_n2_logprobs"]["events"]))
     ends = [ev["choices"][0]["index"] for ev in events
             if ev["choices"] and ev["choices"][0]["finish_reason"]]
     assert ends == [1, 0]  # the recording does exercise the order
     usage = [ev for ev in events if not ev["choices"]]
     usage[0]["usage"] = {**usage[0]["usage"], "completion_tokens": 999}  # choice 1's, marked
-    got = fold(events, chat=True)
-    assert got["usage"]["completion_tokens"] == 3
+    got = fold(events, chat=True, per_prompt=2)
+    assert got["usage"] == {"completion_tokens": 999 + 3, "prompt_tokens": 14,
+                            "total_tokens": 999 + 3 + 14, "prompt_tokens_details": {"cached_tokens": 0}}
     assert got["timings"] == usage[1]["timings"]
 
 

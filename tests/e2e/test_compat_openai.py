@@ -46,16 +46,18 @@ def test_several_prompts_stream_with_the_openai_client(client):
     """A streamed ``/v1/completions`` with a list of prompts: llama-server starts it with a
     ``data: null`` event and sends a usage per prompt mid-stream; the openai client needs
     neither (it failed on the null with AttributeError). Every chunk has choices, and with
-    ``include_usage`` one usage chunk comes last (field case 26)."""
+    ``include_usage`` one usage chunk comes last, the three prompts' usage summed (field case
+    26; the sums in detail: test_openai_usage.py)."""
     for so in (None, {"include_usage": True}):
         kw = {"stream_options": so} if so else {}
         chunks = list(client.completions.create(model="demo", prompt=["a", "b", "c"],
-                                                max_tokens=3, stream=True, **kw))
+                                                max_tokens=3, stream=True,
+                                                extra_body={"ignore_eos": True}, **kw))
         body, last = (chunks[:-1], chunks[-1]) if so else (chunks, None)
         assert body and all(c.choices and c.usage is None for c in body)
         assert {c.choices[0].index for c in body} == {0, 1, 2}
         if so:
-            assert last.choices == [] and last.usage.completion_tokens == 3
+            assert last.choices == [] and last.usage.completion_tokens == 3 * 3
 
 
 def test_case22_finish_reason(client):

@@ -382,10 +382,15 @@ def test_more_slots_than_any_worker_has_is_refused_up_front():
     assert len(d.queue) == 0
     many = t(4, slots=6, prompts=3)  # a /v1/completions with 3 prompts and n = 2
     d.check_fits(many)  # accepted (llama-server takes any number of prompts) ...
+    assert many.slots == 6  # (checking changes nothing)
+    d.cut_slots(many)
     assert many.slots == 4  # ... holding the whole of the largest worker
     with pytest.raises(TooManySlots) as e:  # 2 prompts, n = 5: n alone is too many
         d.check_fits(t(5, slots=10, prompts=2))
     assert (e.value.slots, e.value.max_slots) == (5, 4)
+    too_many = t(6, slots=10, prompts=2)
+    d.cut_slots(too_many)  # not cut: check_fits refuses it
+    assert too_many.slots == 10
 
 
 def test_several_prompts_beyond_a_worker_wait_for_a_whole_worker_and_hold_it():

@@ -1,7 +1,9 @@
 """Property tests of the dispatcher (hypothesis): random interleavings of submit, release,
 cancel, expire, polled load, readiness changes, operator drains and crash-loop failures keep
 the invariants, with tickets of one slot and multi-slot tickets (a ``/v1`` request with ``n``
-choices holds ``n`` slots of one worker)."""
+choices holds ``n`` slots of one worker). First tokens, second releases and first tokens
+after release, and per-slot contexts read back anew keep every worker counter (``busy``,
+``prefill_backlog``, ``kv_reserved``) equal to its sum over the worker's leases."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,12 +15,13 @@ from gateway.scheduling.scorer import POLICIES
 # Slots a submitted ticket takes: mostly one, sometimes n = 2..4 choices (4 exceeds every worker).
 ticket_slots = st.sampled_from([1, 1, 1, 2, 3, 4])
 ops = st.lists(st.tuples(st.sampled_from(["submit", "release", "cancel", "tick", "load",
-                                          "down", "up", "fail", "unfail", "hold", "unhold"]),
+                                          "down", "up", "fail", "unfail", "hold", "unhold",
+                                          "first", "again", "ctx"]),
                          st.integers(0, 1000), st.integers(0, 3), ticket_slots), max_size=120)
 # Fleet trouble often: every worker failed or held while tickets wait (refusals happen).
 trouble_ops = st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "release", "tick",
                                                   "down", "up", "fail", "fail", "unfail",
-                                                  "hold", "unhold"]),
+                                                  "hold", "unhold", "first", "again"]),
                                  st.integers(0, 1000), st.integers(0, 1), ticket_slots),
                        max_size=120)
 
@@ -58,6 +61,7 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
         d.add_worker(f"w{i}", "m", s, n_ctx=400, kv_capacity=400 if unified else 400 * s)
         d.set_ready(f"w{i}", True)
     live, queued, outcome = [], set(), {}
+    gone = []  # released leases: released again, or given a first token, they count nothing
     seen_dispatch = set()
 
     def took(dispatches):
@@ -80,7 +84,7 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
                         queue_timeout_s=5.0 if a % 2 else None,
                         prefix_key=a % 5 if shared else None,
                         prefix_chain=((a % 5, 100), (a % 11, 100 + a % 300)) if shared else (),
-                        slots=k)
+                        prefill_tokens=a % 7 * 50, slots=k)
             try:
                 lease = d.submit(tk)
             except QueueFull:
@@ -101,7 +105,18 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
                     outcome[tk.seq] = "dispatched"
                     live.append(lease)
         elif op == "release" and live:
-            took(live.pop(a % len(live)).release())
+            lease = live.pop(a % len(live))
+            took(lease.release())
+            gone.append(lease)
+        elif op == "again" and gone:
+            lease = gone[a % len(gone)]
+            assert lease.release() == []  # the lease's guard: nothing given back twice
+            if b % 2:
+                lease.first_token()  # its prefill left the backlog on release already
+        elif op == "first" and live:
+            live[a % len(live)].first_token()  # sometimes a lease's second first token
+        elif op == "ctx":  # the per-slot context read back anew (0: unknown, nothing capped)
+            took(d.set_context(f"w{b % len(slots)}", (0, 150, 400)[a % 3]))
         elif op == "cancel" and queued:
             tk = sorted(queued, key=lambda x: x.seq)[a % len(queued)]
             assert d.cancel(tk)
@@ -133,7 +148,14 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
         for w in d.workers.values():
             assert 0 <= w.busy <= w.slots
             assert w.busy == sum(l.slots for l in live if l.worker is w)
-            assert w.busy == sum(l.slots for l in w.leases)  # the counter matches its leases
+            assert w.leases == {l for l in live if l.worker is w}
+            # each counter matches its sum over the worker's leases
+            assert w.busy == sum(l.slots for l in w.leases)
+            assert w.prefill_backlog == sum(l.ticket.prefill_tokens for l in w.leases
+                                            if l.prefilling) >= 0
+            cap = w.n_ctx
+            assert w.kv_reserved == sum((min(l.ticket.est_tokens, cap) if cap else
+                                         l.ticket.est_tokens) * l.slots for l in w.leases) >= 0
             assert 0 <= w.free <= w.slots
             assert 0 <= w.phantom <= w.slots
             if w.failed:
@@ -160,7 +182,7 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
                 outcome[tk.seq] = "expired"
             took(d.pump())
     assert not queued, "a ticket was left in the queue with every slot free"
-    assert all(w.busy == 0 for w in d.workers.values())
+    assert all((w.busy, w.prefill_backlog, w.kv_reserved) == (0, 0, 0) for w in d.workers.values())
     assert len(outcome) == n
     return outcome
 

@@ -1,21 +1,43 @@
-"""WorkerView's slot counter: ``busy`` is kept by ``hold`` / ``drop`` and always equals the
-slots of its live leases."""
+"""WorkerView's counters: ``busy``, ``prefill_backlog`` and ``kv_reserved`` are kept by
+``hold`` / ``drop`` / ``prefilled`` and always equal the sums over its live leases; the lease
+(``SlotLease``) is what makes a second release or first token count nothing."""
 
 from gateway.scheduling import Dispatcher, Ticket
 
 
-def test_busy_counter_follows_leases_and_double_release():
+def test_counters_follow_leases_through_double_release_and_first_token():
     d = Dispatcher(lambda: 0.0, max_pending=4)
-    d.add_worker("w0", "m", 4)
+    d.add_worker("w0", "m", 4, n_ctx=500)
     d.set_ready("w0", True)
     w = d.workers["w0"]
-    one, three = d.submit(Ticket("a", "m")), d.submit(Ticket("b", "m", slots=3))
+    one = d.submit(Ticket("a", "m", prefill_tokens=100, est_tokens=300))
+    three = d.submit(Ticket("b", "m", slots=3, prefill_tokens=40, est_tokens=900))
     assert w.busy == 4 == sum(l.slots for l in w.leases) and w.free == 0
-    w.hold(three)  # holding a lease it already has counts nothing twice
-    assert w.busy == 4
-    three.release()
-    three.release()  # idempotent: the slots come back once
-    w.drop(three)
-    assert w.busy == 1 == sum(l.slots for l in w.leases) and w.free == 3
+    assert w.prefill_backlog == 140 and w.kv_reserved == 300 + 500 * 3  # capped at n_ctx
+    three.first_token()
+    three.first_token()  # the lease counts its first token once
+    assert w.prefill_backlog == 100
+    waiting = Ticket("c", "m", slots=2, prefill_tokens=7, est_tokens=10)
+    assert d.submit(waiting) is None
+    (got, two), = three.release()  # its 3 slots back: the waiting ticket gets 2 of them
+    assert got is waiting
+    assert three.release() == []  # idempotent: the lease gives its slots back once
+    assert w.busy == 3 == sum(l.slots for l in w.leases) and w.free == 1
+    assert w.prefill_backlog == 107 and w.kv_reserved == 300 + 10 * 2
     one.release()
-    assert w.busy == 0 and not w.leases
+    one.first_token()  # after release: already out of the backlog, counts nothing
+    two.release()
+    assert (w.busy, w.prefill_backlog, w.kv_reserved) == (0, 0, 0) and not w.leases
+
+
+def test_kv_reserved_is_recounted_when_the_context_is_read_back():
+    d = Dispatcher(lambda: 0.0, max_pending=4)
+    d.add_worker("w0", "m", 2)  # per-slot context unknown: nothing capped
+    d.set_ready("w0", True)
+    w = d.workers["w0"]
+    big = d.submit(Ticket("a", "m", est_tokens=900, slots=2))
+    assert w.kv_reserved == 1800
+    d.set_context("w0", 600)  # read back from /slots: each slot's share capped at 600
+    assert w.kv_reserved == 1200
+    big.release()  # gives back what it holds under the cap in force now
+    assert w.kv_reserved == 0
