@@ -78,7 +78,11 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise ApiError(400, "stream_options must be an object")
-    include_usage = bool((so or {}).get("include_usage"))
+    include_usage = (so or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError(400, "stream_options.include_usage must be a boolean, got "
+                            f"{orjson.dumps(include_usage).decode()}")
+    include_usage = include_usage is True
     body["model"] = entry.name
     # A non-streamed request is streamed from the worker and folded (module doc); its
     # stream_options change nothing the client sees, as llama-server ignores them then.
@@ -93,6 +97,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s,
                          body=body)
+    if required == "prompt":  # after the ticket: the same slots, and n's own limit still checked
+        spread_empty_prompts(body)
     out: web.StreamResponse | None = None
     try:
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
@@ -169,6 +175,30 @@ def _bound_max_tokens(gw, body: dict) -> None:
             body["max_tokens"] = gen.num_predict_default
         elif cap is not None:
             body["max_tokens"] = cap
+
+
+def spread_empty_prompts(body: dict) -> None:
+    """Rewrite a ``/v1/completions`` body with ``n`` (or ``n_cmpl``) ≥ 2 and an empty prompt
+    (``""``, or ``""`` / ``[]`` in a list of prompts) into the same prompts each repeated ``n``
+    times, with ``n`` 1. The pinned llama-server never answers the original: the extra choices
+    of a prompt wait for its evaluation to be copied to them, and a prompt with no tokens is
+    never evaluated (seen on the pinned build, standalone: choice 0 comes, then nothing). The
+    repeated prompts give the same choices in the same order (prompt-major indexes, prompt
+    ``p``'s copies at ``p * n`` … ``p * n + n - 1``), on as many slots. Other bodies are left as
+    they are (``"prompt": []`` is answered 400 by llama-server at once)."""
+    n = sizing.choices(body)
+    if n < 2:
+        return
+    prompts = sizing.prompts_of(body)
+    if prompts is None:
+        if body.get("prompt") != "":
+            return
+        prompts = [""]
+    elif not any(p == "" or p == [] for p in prompts):
+        return
+    body["prompt"] = [p for p in prompts for _ in range(n)]
+    body.pop("n_cmpl", None)
+    body["n"] = 1
 
 
 def _sse(obj) -> bytes:

@@ -136,3 +136,30 @@ def test_one_task_keeps_the_workers_usage(gw, client):
         r = client.completions.create(model="demo", prompt=PROMPTS[1], max_tokens=MAX,
                                       extra_body=EXTRA)
     _check(r.usage, counts, r.usage.prompt_tokens, tasks=1)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
+@pytest.mark.parametrize("prompt", ["", ["", "one two three"]], ids=["empty", "empty-in-list"])
+def test_empty_prompt_with_n_is_answered_and_leaves_the_worker_alone(gw, stream, prompt):
+    """Tester's find: the pinned llama-server never answers ``n`` ≥ 2 for a prompt with no
+    tokens (choice 0, then nothing), and the gateway's watchdog then restarted the worker as
+    wedged. The gateway sends such a body as each prompt repeated ``n`` times
+    (``openai.spread_empty_prompts``): every choice comes, in order, and the worker stays up."""
+    short = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    worker = gw.workers()[0]
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    finish, usage, counts = _run(gw, short.completions.create, stream, model="demo",
+                                 prompt=prompt, n=2, max_tokens=MAX, extra_body=EXTRA)
+    assert finish == ["length"] * (2 * len(prompts))
+    # an empty prompt generates nothing, as with n = 1 (llama-server: "" and finish "length")
+    assert usage.completion_tokens == 2 * sum(1 for p in prompts if p) * MAX == counts.generated
+    after = gw.workers()[0]
+    assert (after["pid"], after["state"], after.get("restarts", 0)) == \
+        (worker["pid"], "ready", worker.get("restarts", 0))
+
+
+def test_include_usage_must_be_a_boolean(gw, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="hi", max_tokens=2, stream=True,
+                                  stream_options={"include_usage": "yes"})
+    assert "stream_options.include_usage must be a boolean" in str(e.value)
