@@ -225,7 +225,7 @@ class Fleet:
             t.add_done_callback(self._tasks.discard)
 
     def _on_down(self, sup: WorkerSupervisor, reason: str) -> None:
-        log.warning("worker.down", worker=sup.id, reason=reason)
+        log.warning("worker.down", worker=sup.id, gpu=sup.spec.gpu_label, reason=reason)
         self.admission.worker_ready(sup.id, False)
         if self.upstream is not None:
             self.upstream.abort_worker(sup.id, reason)

@@ -165,7 +165,8 @@ class Guard:
             host = request.host
         if not self.hosts.ok(host):
             shown = header_text(host)
-            log.warning("request.host_refused", host=shown, path=path)
+            log.warning("request.host_refused", request_id=request_id(request), host=shown,
+                        path=path)
             raise ApiError(403, f"host '{shown}' is not allowed")
         if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
             hdrs = self.cors.headers(request.headers.get("Origin"), preflight=True)
@@ -179,8 +180,9 @@ class Guard:
             body = limits.parse_object(raw) if path in limits.JSON_ROUTES else None
             if body is not None:
                 request["json_body"] = body  # the handler's read_json uses it: parsed once
+                entry = self._note_model(request, body, gw)  # first: a 400 below counts under it
                 limits.check_messages(body, cfg.limits.max_messages)
-                entry = self._check_model(request, body, key, gw)
+                self._check_model(request, body, entry, key)
                 # The prompt goes to the model named by "model" (only /api/show and /api/pull
                 # fall back to "name", and they send no prompt).
                 if cfg.limits.check_prompt_length and entry is not None and body.get("model"):
@@ -240,24 +242,30 @@ class Guard:
         return key
 
     @staticmethod
-    def _check_model(request: web.Request, body: dict, key, gw) -> ModelEntry | None:
+    def _note_model(request: web.Request, body: dict, gw) -> ModelEntry | None:
         """Note the configured model the body names (``request["model"]``: the metrics label and
         access-log field, so refused requests are counted under their model; names that are not
         configured stay unlabelled, which bounds the label set) and return its entry (None for
-        a name that is not configured). Raises ApiError when ``key`` may not use it: 403 on
-        ``/api``, OpenAI's 404 ``model_not_found`` on ``/v1``."""
+        a name that is not configured)."""
         name = body.get("model") or body.get("name")
         if not isinstance(name, str) or gw.inventory is None:
             return None
         entry = gw.inventory.resolve(name)
+        if entry is not None:
+            request["model"] = entry.name
+        return entry
+
+    @staticmethod
+    def _check_model(request: web.Request, body: dict, entry: ModelEntry | None, key) -> None:
+        """Raises ApiError when ``key`` may not use the configured model ``entry``: 403 on
+        ``/api``, OpenAI's 404 ``model_not_found`` on ``/v1``."""
         if entry is None:
-            return None
-        request["model"] = entry.name
+            return
+        name = body.get("model") or body.get("name")
         if key is not None and not key.allows_model(entry.name):
             if request.path.startswith("/v1/"):
                 raise model_not_found_v1(name)
             raise ApiError(403, f"key '{key.cfg.name}' may not use model '{name}'")
-        return entry
 
     @staticmethod
     def _check_key_limits(key) -> None:

@@ -351,10 +351,19 @@ async def iter_sse_batches(resp: WorkerResponse) -> AsyncIterator[list[bytes]]:
         if data and data != b"[DONE]":
             yield [data]
     except WorkerPayloadError as e:
-        log.warning("upstream.stream_broken", error=str(e))
+        _log_broken(e)
         raise UpstreamError(502, BROKE_MESSAGE, "stream_broken") from e
     except asyncio.TimeoutError as e:
         raise UpstreamError(504, "worker stalled mid-stream", "stall") from e
+
+
+def _log_broken(e: Exception) -> None:
+    """One ``upstream.stream_broken`` warning, with the client request's id and worker (set by
+    the middleware and ``note_lease``) when there is one."""
+    req = current_request.get()
+    log.warning("upstream.stream_broken", error=str(e),
+                request_id=req.get("request_id") if req is not None else None,
+                worker=req.get("worker") if req is not None else None)
 
 
 async def iter_sse(resp: WorkerResponse) -> AsyncIterator[bytes]:
@@ -371,7 +380,7 @@ async def iter_raw(resp: WorkerResponse) -> AsyncIterator[bytes]:
         async for chunk in resp.content.iter_any():
             yield chunk
     except WorkerPayloadError as e:
-        log.warning("upstream.stream_broken", error=str(e))
+        _log_broken(e)
         raise UpstreamError(502, BROKE_MESSAGE, "stream_broken") from e
 
 

@@ -31,18 +31,25 @@ def gw():
     return g
 
 
-def test_check_model_returns_the_entry_it_labels_the_request_with(gw):
-    key = KeyRing(gw.config).lookup("Bearer k1")  # may use demo only
+def test_note_model_returns_the_entry_it_labels_the_request_with(gw):
     req = make_mocked_request("POST", "/api/chat")
-    entry = Guard._check_model(req, {"model": "demo"}, key, gw)
+    entry = Guard._note_model(req, {"model": "demo"}, gw)
     assert entry is gw.inventory.resolve("demo:latest") and req["model"] == "demo:latest"
     req = make_mocked_request("POST", "/api/show")  # /api/show's "name" names the model too
-    assert Guard._check_model(req, {"name": "demo"}, None, gw) is entry
+    assert Guard._note_model(req, {"name": "demo"}, gw) is entry
     for body in ({"model": "nope"}, {"model": 5}, {}):  # not configured: no entry, no label
         req = make_mocked_request("POST", "/api/chat")
-        assert Guard._check_model(req, body, None, gw) is None and "model" not in req
-    with pytest.raises(ApiError) as e:  # a model the key may not use
-        Guard._check_model(make_mocked_request("POST", "/api/chat"), {"model": "other"}, key, gw)
+        assert Guard._note_model(req, body, gw) is None and "model" not in req
+
+
+def test_check_model_refuses_a_model_the_key_may_not_use(gw):
+    key = KeyRing(gw.config).lookup("Bearer k1")  # may use demo only
+    req = make_mocked_request("POST", "/api/chat")
+    Guard._check_model(req, {"model": "demo"}, gw.inventory.resolve("demo"), key)  # allowed
+    Guard._check_model(req, {"model": "nope"}, None, key)  # not configured: the handler's 404
+    with pytest.raises(ApiError) as e:
+        Guard._check_model(make_mocked_request("POST", "/api/chat"), {"model": "other"},
+                           gw.inventory.resolve("other"), key)
     assert e.value.status == 403
 
 

@@ -135,10 +135,12 @@ class LaunchSpec:
         """The worker's environment: the gateway's, plus ``CUDA_VISIBLE_DEVICES``, the per-start
         key, the binary's library folder, and ``LLAMA_ARG_CACHE_IDLE_SLOTS=0`` (see
         :data:`IDLE_SLOTS_ENV`) and the log verbosity (:data:`LOG_VERBOSITY_ENV`) unless the
-        environment already sets them."""
+        environment already sets them (or, for the verbosity, ``extra_args`` do)."""
         env = dict(os.environ)
         env.setdefault(IDLE_SLOTS_ENV, "0")
-        if self.log_verbosity is not None:
+        if self.log_verbosity is not None and not self.operator_verbosity:
+            # not beside an operator's -lv: llama-server would warn at every start that the
+            # variable is overwritten by the command line
             env.setdefault(LOG_VERBOSITY_ENV, str(self.log_verbosity))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
         # The per-start key travels in the environment (readable by this user only via

@@ -226,6 +226,7 @@ def test_host_header_not_utf8_shown_escaped(secured):
     in the error text and the log, as Go's ``%q`` shows them (it was echoed as Python's
     surrogate escape ``\\udce9``)."""
     out = raw_exchange(secured.port, b"GET /api/tags HTTP/1.1\r\nHost: caf\xe9.com\r\n"
+                       b"X-Request-ID: host-refused-1\r\n"
                        b"Authorization: Bearer " + WEB.encode() + b"\r\nConnection: close\r\n\r\n")
     head, _, body = out.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 403"), out[:300]
@@ -233,6 +234,7 @@ def test_host_header_not_utf8_shown_escaped(secured):
     refused = [json.loads(ln) for ln in secured.log_path.read_text().splitlines()
                if '"request.host_refused"' in ln]
     assert refused[-1]["host"] == r"caf\xe9.com", refused[-1]
+    assert refused[-1]["request_id"] == "host-refused-1", refused[-1]  # as its request.done
 
 
 def test_cors_only_for_configured_origins(secured):

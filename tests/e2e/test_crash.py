@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import signal
 import time
@@ -44,6 +45,14 @@ def test_crash_mid_request_errors_streams_and_queued_run_elsewhere(gateway_facto
     assert w["crashes"] == 1 and w["restarts"] == 1 and w["pid"] != victim["pid"]
     st = gw.status()
     assert st["queue"]["depth"] == 0 and all(x["busy"] == 0 for x in st["workers"])
+    # the log names the worker and its GPU, and each broken stream's request (a fresh tester
+    # found worker.down without gpu and upstream.stream_broken without request_id or worker)
+    events = [json.loads(ln) for ln in gw.log_path.read_text().splitlines() if ln.startswith("{")]
+    down = [e for e in events if e["event"] == "worker.down"]
+    assert [(e["worker"], e["gpu"]) for e in down] == [(victim["id"], "cpu")], down
+    ids = {e["request_id"] for e in events if e["event"] == "request.done"}
+    for e in (e for e in events if e["event"] == "upstream.stream_broken"):
+        assert e["request_id"] in ids and e["worker"] == victim["id"], e
 
 
 def test_crash_loop_marks_worker_failed_then_retries(tmp_path, gateway_factory):

@@ -99,8 +99,12 @@ def done_events(gw, status: int) -> int:
 
 def test_too_many_messages_400(limited):
     msgs = [{"role": "user", "content": "hi"}] * 6
+    before = gateway_requests_total(limited.url, "/api/chat", "demo:latest", 400)
     r = httpx.post(limited.url + "/api/chat", json={"model": "demo", "messages": msgs}, timeout=10)
     assert r.status_code == 400 and r.json() == {"error": "too many messages: 6, the limit is 5"}
+    # counted under the model it named, as other 400s after the body was read (a fresh tester
+    # found it counted with model="")
+    assert gateway_requests_total(limited.url, "/api/chat", "demo:latest", 400) == before + 1
     r = httpx.post(limited.url + "/v1/chat/completions", json={"model": "demo", "messages": msgs},
                    timeout=10)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

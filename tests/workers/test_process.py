@@ -50,6 +50,10 @@ def test_env_sets_log_verbosity_when_given_unless_the_operator_set_it(monkeypatc
     monkeypatch.delenv("LLAMA_ARG_LOG_VERBOSITY", raising=False)
     assert "LLAMA_ARG_LOG_VERBOSITY" not in spec().env("k")
     assert spec(log_verbosity=QUIET_LOG_VERBOSITY).env("k")["LLAMA_ARG_LOG_VERBOSITY"] == "2"
+    # an operator's -lv in args: no variable beside it (llama-server would warn at every start
+    # that the variable is overwritten by the command line; a fresh tester saw that warning)
+    assert "LLAMA_ARG_LOG_VERBOSITY" not in spec(
+        log_verbosity=QUIET_LOG_VERBOSITY, extra_args=["-lv", "4"]).env("k")
     monkeypatch.setenv("LLAMA_ARG_LOG_VERBOSITY", "4")
     assert spec(log_verbosity=QUIET_LOG_VERBOSITY).env("k")["LLAMA_ARG_LOG_VERBOSITY"] == "4"
 
@@ -117,6 +121,9 @@ def test_operator_verbosity_logs_worker_info_lines_at_info(tmp_path, monkeypatch
         log_verbosity=QUIET_LOG_VERBOSITY, extra_args=["-lv", "4"] if how == "args" else []))
     info = _info_lines(logs)
     assert info and all(e["log_level"] == "info" for e in info), info[:3]
+    # the gateway's quiet default is not passed beside the operator's -lv (llama-server warns
+    # that the variable "will be overwritten by command line argument" when both are given)
+    assert not [e for e in logs if "overwritten" in str(e.get("line", ""))], logs[:5]
 
 
 def test_reap_stale_workers_kills_only_matching_binary(tmp_path):
