@@ -233,7 +233,7 @@ class Dispatcher:
         if wait is not None:
             fleet = [w for w in self.workers.values() if w.model == ticket.model
                      and w.in_rotation and w.slots >= ticket.slots and w.id not in ticket.avoid]
-            until = ticket.enqueued_at + wait(candidates, ticket, fleet, now)
+            until = ticket.enqueued_at + wait(candidates, ticket, fleet)
             if now < until:
                 ticket.held_until = until
                 return True

@@ -204,10 +204,8 @@ class LeastLoaded:
                     best, best_key = w, k
         return best
 
-    only_if_soon = False
-
     def affinity_wait(self, candidates: Sequence[WorkerView], ticket: Ticket,
-                      fleet: Sequence[WorkerView], now: float | None = None) -> float:
+                      fleet: Sequence[WorkerView]) -> float:
         """Seconds after its admission that ``ticket`` may wait in the queue for the worker of
         ``fleet`` (the model's workers in rotation) that holds the longest prefix of it, when
         that worker is not what ``affine`` finds among ``candidates`` now (delay scheduling,
@@ -217,21 +215,14 @@ class LeastLoaded:
         keys = prefix_keys(ticket)
         if self.index is None or not keys or not self.wait_s_per_token or not fleet:
             return 0.0
-        held, holder = max((self.index.cached_tokens(w.id, keys, cache_capacity(w)), -w.order, w)
-                           for w in fleet)[::2]
+        held = max(self.index.cached_tokens(w.id, keys, cache_capacity(w)) for w in fleet)
         if held <= 1:  # nothing, or only the head key (a tie-breaker, not worth a wait)
             return 0.0
         near = self.affine(candidates, ticket, fleet) if candidates else None
         got = self.index.cached_tokens(near.id, keys, cache_capacity(near)) if near else 0
         if got >= held:
             return 0.0
-        saves = (held - got) * self.wait_s_per_token
-        if self.only_if_soon and now is not None:
-            rel = holder.releases
-            k = min(len(rel), holder.slots)
-            if k and (now - rel[-k]) / k > saves:
-                return 0.0
-        return min(self.wait_max_s, saves)
+        return min(self.wait_max_s, (held - got) * self.wait_s_per_token)
 
     def pick(self, candidates, ticket, now, fleet=()):
         w = self.affine(candidates, ticket, fleet)

@@ -7,7 +7,8 @@ gateway, each turn sending the whole history back (as chat clients do), under
 ``scheduler.affinity_wait_ms_per_1k_tokens``). Cached prompt tokens are counted by the workers
 themselves (``llamacpp:prompt_tokens_cached_total``, the difference over the run), prompt
 tokens by the answers' ``prompt_eval_count``; "moves" counts the turns served by another
-worker than the conversation's previous turn (the gateway's ``request.done`` log events).
+worker than the conversation's previous turn, and TTFT is the gateway's time to first token
+(queueing included), both from the gateway's ``request.done`` log events.
 
 The demo model's KV is 512 bytes per token (2 layers × 4 KV heads × 16 dims × K and V × f16),
 so llama-server's default 8 GiB host prompt cache (``--cache-ram 8192``) holds 16.7 M of its
@@ -52,10 +53,13 @@ def conversations(n: int, turns: int, seed: int) -> list[list[str]]:
              for t in range(turns)] for c in range(n)]
 
 
-def moves(log_path: Path) -> tuple[int, int]:
-    """(turns served by another worker than their conversation's previous turn, turns after a
-    first one) from the gateway's JSON ``request.done`` log events."""
+def turn_stats(log_path: Path) -> dict:
+    """From the gateway's JSON ``request.done`` log events of the chat turns: ``moves``, the
+    turns served by another worker than their conversation's previous turn, of ``turns`` turns
+    after a first one; ``ttft_p50`` / ``ttft_p99``, the gateway's time to first token (ms,
+    queueing included)."""
     where: dict[tuple[int, int], str] = {}
+    ttft: list[float] = []
     for line in log_path.read_text(errors="replace").splitlines():
         try:
             ev = json.loads(line)
@@ -64,8 +68,13 @@ def moves(log_path: Path) -> tuple[int, int]:
         m = re.fullmatch(r"conv(\d+)-turn(\d+)", str(ev.get("request_id", "")))
         if ev.get("event") == "request.done" and m:
             where[int(m[1]), int(m[2])] = ev.get("worker")
+            if ev.get("ttft_ms") is not None:
+                ttft.append(ev["ttft_ms"])
     pairs = [(w, where[c, t - 1]) for (c, t), w in where.items() if (c, t - 1) in where]
-    return sum(a != b for a, b in pairs), len(pairs)
+    ttft.sort()
+    pct = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")  # noqa: E731
+    return {"moves": sum(a != b for a, b in pairs), "turns": len(pairs),
+            "ttft_p50": pct(0.5), "ttft_p99": pct(0.99)}
 
 
 def run(tmp: Path, policy: str, affinity: bool, cache_ram_mib: int, convs: list[list[str]],
@@ -107,9 +116,8 @@ def run(tmp: Path, policy: str, affinity: bool, cache_ram_mib: int, convs: list[
         cached = cached_total(gw) - before
     finally:
         gw.stop()
-    moved, turns = moves(gw.log_path)
-    return {"cached": cached, "prompt": prompt, "out": out, "wall": wall, "moves": moved,
-            "turns": turns}
+    return {"cached": cached, "prompt": prompt, "out": out, "wall": wall,
+            **turn_stats(gw.log_path)}
 
 
 def main() -> None:
@@ -134,8 +142,9 @@ def main() -> None:
              f"{len(SYSTEM) * a.system_repeat} bytes, "
              f"{a.clients} clients, {a.num_predict} tokens per answer)", "",
              "| `--cache-ram` (MiB) | policy | cached prompt tokens | prompt tokens | cached ÷ round-robin's | "
-             "tokens/s (prompt + generated) | ÷ least-loaded without affinity | moves |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "tokens/s (prompt + generated) | ÷ least-loaded without affinity | moves | "
+             "TTFT p50 / p99 ms |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for ram in a.cache_ram:
         res = {}
         runs = [("least_loaded + affinity", "least_loaded", True, 0.0)]
@@ -153,7 +162,7 @@ def main() -> None:
             tps = (r["prompt"] + r["out"]) / r["wall"]
             lines.append(f"| {ram} | {label} | {r['cached']:,.0f} | {r['prompt']:,} | "
                          f"{r['cached'] / rr:.2f}× | {tps:,.0f} | {tps / base_tps:.2f} | "
-                         f"{r['moves']} of {r['turns']} |")
+                         f"{r['moves']} of {r['turns']} | {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} |")
     md = "\n".join(lines) + "\n"
     Path(a.out).write_text(md)
     sys.stdout.write(md)
