@@ -12,6 +12,10 @@ Requests that no worker can take without an operator or the supervisor's next tr
 to wait ``queue.timeout_s``: ``acquire`` raises an ``Unavailable`` (gateway.scheduling.refusals)
 at once, and queued ones get it as soon as the fleet event that caused it arrives (operator
 drain, crash-loop ``failed``, reload removal, shutdown).
+
+A queued request in its affinity wait (delay scheduling, ``gateway.scheduling.dispatcher``)
+is handed a worker when that wait ends even if no slot is released then: a timer pumps the
+dispatcher at ``Dispatcher.next_wakeup()``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class Admission:
         self.expire_interval_s = expire_interval_s
         self._waiters: dict[Ticket, asyncio.Future] = {}
         self._expiry_task: asyncio.Task | None = None
+        self._wake: asyncio.TimerHandle | None = None
+        self._wake_at: float | None = None  # dispatcher clock seconds the timer fires at
         self.shutting_down = False  # set by ``shut_down``: every request is refused
 
     # ---- fleet events ----------------------------------------------------------------------
@@ -125,6 +131,7 @@ class Admission:
         fut = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = fut
         self._ensure_expiry()
+        self._arm_wake()
         try:
             return await fut
         except asyncio.CancelledError:
@@ -154,6 +161,25 @@ class Admission:
                 fut.set_result(lease)
             else:  # its waiter is gone: free the slot again (may dispatch others)
                 self._deliver(lease.release())
+        self._arm_wake()
+
+    def _arm_wake(self) -> None:
+        """Pump the dispatcher when the earliest affinity wait ends (``next_wakeup``)."""
+        at = self.dispatcher.next_wakeup()
+        if at is None or (self._wake_at is not None and self._wake_at <= at):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # fleet events outside the loop (tests): the next event pumps
+            return
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake_at = at
+        self._wake = loop.call_later(max(0.0, at - self.dispatcher.clock()), self._on_wake)
+
+    def _on_wake(self) -> None:
+        self._wake = self._wake_at = None
+        self._deliver(self.dispatcher.pump())
 
     def _ensure_expiry(self) -> None:
         if self._expiry_task is None or self._expiry_task.done():
@@ -168,6 +194,8 @@ class Admission:
     def close(self) -> None:
         if self._expiry_task:
             self._expiry_task.cancel()
+        if self._wake is not None:
+            self._wake.cancel()
 
 
 __all__ = ["Admission", "QueueFull", "QueueTimeout", "Unavailable"]

@@ -516,6 +516,13 @@ class SchedulerConfig(_Section):
     affinity_bound: Annotated[float, PlainValidator(_v_at_least_one)] = 2.0
     """A worker keeps prefix affinity while its occupancy stays within this factor of the
     fleet average (consistent hashing with bounded loads); >= 1."""
+    affinity_wait_ms_per_1k_tokens: Annotated[float, PlainValidator(_v_nonneg_float)] = 0.0
+    """Delay scheduling for prefix affinity (Zaharia et al., EuroSys 2010): a queued request
+    whose prefix is held by a worker with no free slot (or over its load bound) may wait for
+    that worker while others take the free slot, for the held tokens (beyond what a free worker
+    holds) × this estimate of prefill milliseconds per 1,000 prompt tokens; 0 turns it off."""
+    affinity_wait_max_s: Annotated[float, PlainValidator(_v_nonneg_float)] = 1.0
+    """Longest such wait (s), counted from the request's admission; then any worker takes it."""
     prefix_bytes: PositiveInt = 512
     """Bytes of the prompt's head (system prompt / first messages) hashed into the prefix key."""
     kv_weight: Annotated[float, PlainValidator(_v_nonneg_float)] = 0.5

@@ -91,7 +91,9 @@ class Fleet:
         # A reload keeps what the prefix index learnt (the workers' caches did not change).
         d.scorer = keep_prefix_index(d.scorer, make_scorer(
             sc.policy, affinity=sc.prefix_affinity, affinity_bound=sc.affinity_bound,
-            kv_weight=sc.kv_weight, prefill_weight=sc.prefill_weight))
+            kv_weight=sc.kv_weight, prefill_weight=sc.prefill_weight,
+            affinity_wait_ms_per_1k_tokens=sc.affinity_wait_ms_per_1k_tokens,
+            affinity_wait_max_s=sc.affinity_wait_max_s))
         d.queue.aging_s = sc.aging_s
         for p in self.pollers.values():
             p.interval_s, p.timeout_s = sc.poll_interval_s, sc.poll_timeout_s

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.admission import Admission, QueueTimeout
 from gateway.scheduling import (AllDrained, AllFailed, Dispatcher, ModelRemoved, ShuttingDown,
-                                Ticket)
+                                Ticket, make_scorer)
 
 M = "demo:latest"
 
@@ -117,4 +117,27 @@ async def test_queue_timeout_is_unchanged_while_workers_are_starting():
     with pytest.raises(QueueTimeout):
         await adm.acquire(ticket(1, timeout_s=0.2))
     assert 0.2 <= time.monotonic() - t0 < 1.0
+    adm.close()
+
+
+async def test_an_affinity_wait_ends_on_time_without_a_release():
+    """A chat turn waiting for the busy worker that holds its prefix (delay scheduling) gets the
+    free worker when its wait ends, woken by the dispatcher's ``next_wakeup``, not by the next
+    release or the (here one-minute) expiry check."""
+    d = Dispatcher(time.monotonic, max_pending=10,
+                   scorer=make_scorer("least_loaded", affinity_wait_ms_per_1k_tokens=100.0))
+    for i in range(2):
+        d.add_worker(f"w{i}", M, 1)
+        d.set_ready(f"w{i}", True)
+    adm = Admission(d, expire_interval_s=60.0)
+    chain = ((1, 500), (2, 1100), (3, 1700))
+    turn1 = await adm.acquire(Ticket("turn1", M, prefix_key=1, prefix_chain=chain[:2]))
+    assert turn1.worker.id == "w0"
+    t0 = time.monotonic()
+    nxt = await asyncio.wait_for(adm.acquire(Ticket("turn2", M, prefix_key=1, prefix_chain=chain)),
+                                 timeout=5.0)
+    waited = time.monotonic() - t0
+    assert nxt.worker.id == "w1" and 0.09 <= waited < 1.0  # 1,100 tokens × 0.1 ms = 0.11 s
+    adm.release(nxt)
+    adm.release(turn1)
     adm.close()

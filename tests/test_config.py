@@ -393,3 +393,25 @@ def test_auth_metrics_public():
         'auth.metrics_public: expected true or false, got "yes"']
     assert errors_of({**base, "auth": {"metrics_publik": True}}) == [
         'auth.metrics_publik: unknown key (did you mean "metrics_public"?)']
+
+
+def test_affinity_wait_settings():
+    """Delay scheduling is off by default; its settings are numbers >= 0 and reach the scorer
+    that Fleet.apply_scheduler builds (at start and on reload)."""
+    import time
+    from types import SimpleNamespace
+
+    from gateway.fleet import Fleet
+    from gateway.scheduling import Dispatcher
+    base = "models: [{name: demo, path: 'builtin:demo'}]\n"
+    sc = parse_config(yaml.safe_load(base)).scheduler
+    assert (sc.affinity_wait_ms_per_1k_tokens, sc.affinity_wait_max_s) == (0.0, 1.0)
+    sc = parse_config(yaml.safe_load(base + "scheduler: {affinity_wait_ms_per_1k_tokens: 125, "
+                                            "affinity_wait_max_s: 0.5}")).scheduler
+    fleet = SimpleNamespace(admission=SimpleNamespace(dispatcher=Dispatcher(time.monotonic)),
+                            pollers={})
+    Fleet.apply_scheduler(fleet, sc)
+    scorer = fleet.admission.dispatcher.scorer
+    assert (scorer.wait_s_per_token, scorer.wait_max_s) == (125 / 1e6, 0.5)
+    assert errors_of(yaml.safe_load(base + "scheduler: {affinity_wait_ms_per_1k_tokens: -1}")) == [
+        "scheduler.affinity_wait_ms_per_1k_tokens: expected a number >= 0, got -1"]

@@ -23,6 +23,14 @@ Queue order is by effective priority (priority + aging, ``AdmissionQueue``). A q
 that is blocked only by KV headroom or by too few free slots on any one worker (a multi-slot
 ticket) is passed by smaller ones until it has waited ``aging_s``; from then on nothing else of
 its model is dispatched before it (no starvation of large requests).
+
+Delay scheduling for affinity (Zaharia et al., EuroSys 2010; ``LeastLoaded.affinity_wait``):
+a ticket whose prefix is held by a worker that cannot take it now may stay queued while a
+candidate is free, until ``enqueued_at`` + its wait (``Ticket.held_until``; never more than the
+scorer's ``wait_max_s``); other tickets take the free slot meanwhile, in queue order, and a new
+ticket is granted at once when every queued ticket of its model is such a waiting one. The
+caller must pump again at ``next_wakeup()``, the earliest end of such a wait, since no release
+need come by then.
 """
 
 from __future__ import annotations
@@ -213,6 +221,7 @@ class Dispatcher:
     def _grant(self, ticket: Ticket, candidates: list[WorkerView], now: float) -> SlotLease:
         fleet = [w for w in self.workers.values()
                  if w.model == ticket.model and w.ready and not w.draining]
+        ticket.held_until = None
         worker = self.scorer.pick(candidates, ticket, now, fleet)
         assert worker.free >= ticket.slots, "scorer picked a worker without enough free slots"
         return SlotLease(worker, ticket, now, self._on_release)
@@ -220,6 +229,38 @@ class Dispatcher:
     def _most_slots(self, model: str) -> int:
         """The largest ``slots`` of a worker of ``model`` (0 when it has none)."""
         return max((w.slots for w in self.workers.values() if w.model == model), default=0)
+
+    def _holds(self, ticket: Ticket, candidates: list[WorkerView], now: float) -> bool:
+        """Whether ``ticket``, which ``candidates`` could take now, waits for the worker that
+        holds its prefix (delay scheduling, module docstring); sets ``ticket.held_until``."""
+        wait = getattr(self.scorer, "affinity_wait", None)
+        if wait is not None:
+            fleet = [w for w in self.workers.values() if w.model == ticket.model
+                     and w.in_rotation and w.slots >= ticket.slots and w.id not in ticket.avoid]
+            until = ticket.enqueued_at + wait(candidates, ticket, fleet)
+            if now < until:
+                ticket.held_until = until
+                return True
+        ticket.held_until = None
+        return False
+
+    @staticmethod
+    def _waiting(ticket: Ticket, now: float) -> bool:
+        """Whether a queued ticket is in its affinity wait (it does not keep others out)."""
+        return ticket.held_until is not None and now < ticket.held_until
+
+    def _queued_ahead(self, model: str) -> bool:
+        """Whether a queued ticket of ``model`` that is not in its affinity wait would go before
+        a new one."""
+        now = self.clock()
+        return any(t.model == model and not self._waiting(t, now) for t in self.queue)
+
+    def next_wakeup(self) -> float | None:
+        """Clock seconds of the earliest end of a queued ticket's affinity wait still to come,
+        or None: the caller calls ``pump`` then (no release need come by then)."""
+        now = self.clock()
+        ends = [t.held_until for t in self.queue if t.held_until is not None and t.held_until > now]
+        return min(ends, default=None)
 
     def cut_slots(self, ticket: Ticket) -> None:
         """Cut a ticket of several prompts (``Ticket.prompts``) that needs more slots than the
@@ -267,9 +308,11 @@ class Dispatcher:
         self.check_fits(ticket)
         now = self.clock()
         ticket.enqueued_at = now
-        if not self.queue.has_model(ticket.model):
+        if not self._queued_ahead(ticket.model):
             cands = self._candidates(ticket)
-            if cands:
+            # A ticket that would wait for its prefix's worker but cannot queue is granted now.
+            if cands and (not self._holds(ticket, cands, now)
+                          or self._queue_refusal(ticket.model, ticket.request_id) is not None):
                 return self._grant(ticket, cands, now)
         refused = (self.refusal(ticket.model) if ticket.follow_on
                    else self._queue_refusal(ticket.model, ticket.request_id))
@@ -324,7 +367,7 @@ class Dispatcher:
         through side calls) asks this first, so an overflow gets its 503 as fast as one that goes
         straight to admission. Never refuses what ``submit`` would take; ``submit`` still
         decides."""
-        if not self.queue.has_model(model) and any(w.accepts(model)
+        if not self._queued_ahead(model) and any(w.accepts(model)
                                                    for w in self.workers.values()):
             return None
         return self._queue_refusal(model, "")
@@ -374,6 +417,8 @@ class Dispatcher:
                     blocked.add(t.model)  # waited long enough: nothing passes it
                     free_models.discard(t.model)
                 continue
+            if self._holds(t, cands, now):
+                continue  # waits for the worker holding its prefix; others may pass
             self.queue.remove(t)
             out.append((t, self._grant(t, cands, now)))
             free_models = {w.model for w in self.workers.values() if w.free > 0} - blocked

@@ -60,9 +60,6 @@ class AdmissionQueue:
                 best_t, best_key = t, key
         return best_t
 
-    def has_model(self, model: str) -> bool:
-        return any(t.model == model for t in self._items.values())
-
     def depth_by_priority(self) -> dict[int, int]:
         out: dict[int, int] = {}
         for t in self._items.values():

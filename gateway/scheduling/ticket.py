@@ -39,6 +39,9 @@ class Ticket:
             ``n``), so it is dispatched only to a worker with that many free slots and holds
             them all until it ends (``gateway.sizing.choices``); a ``/v1/completions`` with
             several prompts runs ``n`` tasks for each, so ``slots`` is prompts × ``n``.
+        held_until: clock seconds until which the queued ticket waits for the worker holding
+            its prefix while another could take it (delay scheduling, set by the dispatcher);
+            None when it does not.
         prompts: how many prompts ``slots`` is made of (1 unless a ``/v1/completions`` sends a
             list of prompts; ``gateway.sizing.prompts_of``). ``Dispatcher.cut_slots`` cuts
             the ``slots`` of several prompts down to the largest worker's slots (see there).
@@ -59,6 +62,7 @@ class Ticket:
     follow_on: bool = False
     slots: int = 1
     prompts: int = 1
+    held_until: float | None = None
 
     def deadline(self) -> float | None:
         """Clock seconds after which a still-queued ticket is expired, or None."""

@@ -2,7 +2,8 @@
 
 Events (time-ordered heap): request arrivals, worker step ends, telemetry polls (every
 ``poll_interval_s``, feeding ``Dispatcher.update_load`` like the live poller), queue-timeout
-checks. A dispatch (``submit`` returning a lease, or the dispatches a release returns) hands
+checks, and the ends of affinity waits (``Dispatcher.next_wakeup``, pumped like the live
+gateway's timer). A dispatch (``submit`` returning a lease, or the dispatches a release returns) hands
 the request to its worker at once; the gateway's own overhead is not modelled.
 
 Tickets carry what the live gateway computes from a request body (``gateway.sizing``): a head
@@ -22,7 +23,8 @@ from gateway.prompt_cache import DEFAULT_CACHE_RAM_MIB, worker_cache_tokens
 from gateway.scheduling import Dispatcher, QueueFull, Ticket, WorkerLoad, make_scorer
 from gateway.simulator.host_cache import Seq
 from gateway.simulator.worker import GpuProfile, SimWorker, Task
-from gateway.simulator.workload import ClosedLoop, Conversations, Request, distinct_prefix_tokens
+from gateway.simulator.workload import (ChatClients, ClosedLoop, Conversations, Request,
+                                         distinct_prefix_tokens)
 from gateway.sizing import Chain, prefix_chain
 
 HEAD_TOKENS = 128
@@ -104,9 +106,11 @@ class OracleScorer:
         return min(candidates, key=key)
 
 
-def simulate(requests: list[Request] | ClosedLoop | Conversations, *, n_workers: int,
+def simulate(requests: list[Request] | ClosedLoop | Conversations | ChatClients, *, n_workers: int,
              profile: GpuProfile, slots: int = 8, n_ctx: int = 4096, policy: str = "least_loaded",
-             affinity: bool = True, affinity_bound: float = 2.0, unified_kv: bool = False,
+             affinity: bool = True, affinity_bound: float = 2.0,
+             affinity_wait_ms_per_1k_tokens: float = 0.0, affinity_wait_max_s: float = 1.0,
+             unified_kv: bool = False,
              single_runner: bool = False, cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
              cache_idle_slots: bool = False,
              poll_interval_s: float = 0.25, max_pending: int = 100_000,
@@ -123,9 +127,10 @@ def simulate(requests: list[Request] | ClosedLoop | Conversations, *, n_workers:
             for i in range(1 if single_runner else n_workers)}
     args = ["--cache-ram", str(cache_ram_mib)]
     now = [0.0]
-    scorer = OracleScorer(sims) if policy == "oracle" else make_scorer(policy, affinity=affinity,
-                                                                        affinity_bound=affinity_bound,
-                                                                        seed=seed)
+    scorer = OracleScorer(sims) if policy == "oracle" else make_scorer(
+        policy, affinity=affinity, affinity_bound=affinity_bound, seed=seed,
+        affinity_wait_ms_per_1k_tokens=affinity_wait_ms_per_1k_tokens,
+        affinity_wait_max_s=affinity_wait_max_s)
     d = Dispatcher(lambda: now[0], max_pending=max_pending, scorer=scorer)
     for wid, s in sims.items():
         d.add_worker(wid, "m", slots, n_ctx=n_ctx, kv_capacity=s.kv_capacity,
@@ -136,7 +141,7 @@ def simulate(requests: list[Request] | ClosedLoop | Conversations, *, n_workers:
     seq = itertools.count()
     heap: list = []
     push = lambda t, kind, obj: heapq.heappush(heap, (t, next(seq), kind, obj))  # noqa: E731
-    closed = requests if isinstance(requests, (ClosedLoop, Conversations)) else None
+    closed = requests if isinstance(requests, (ClosedLoop, Conversations, ChatClients)) else None
     for r in (closed.initial() if closed else requests):
         push(r.arrival, "arrive", r)
     push(poll_interval_s, "poll", None)
@@ -176,11 +181,23 @@ def simulate(requests: list[Request] | ClosedLoop | Conversations, *, n_workers:
         if lease is not None:
             start(t, lease)
 
+    wakes: set[float] = set()
+
+    def arm_wake() -> None:
+        at = d.next_wakeup()
+        if at is not None and at not in wakes:
+            wakes.add(at)
+            push(at, "wake", None)
+
     while heap:
         t, _, kind, obj = heapq.heappop(heap)
         now[0] = t
         if kind == "arrive":
             arrive(obj)
+        elif kind == "wake":
+            wakes.discard(t)
+            for tk, lease in d.pump():
+                start(tk, lease)
         elif kind == "step":
             s, first, done, emitted = obj
             for task in first:
@@ -216,6 +233,7 @@ def simulate(requests: list[Request] | ClosedLoop | Conversations, *, n_workers:
             if any(s.running or s.waiting for s in sims.values()) or len(d.queue) or \
                     any(k == "arrive" for _, _, k, _ in heap):
                 push(t + poll_interval_s, "poll", None)
+        arm_wake()
     last = max((s.busy_until or 0.0) for s in sims.values())
     res.window = (warmup_s, end_of_work if end_of_work is not None else max(last, now[0]))
     res.copy_s = sum(s.copy_s_total for s in sims.values())

@@ -2,9 +2,12 @@
 
 Used by ``llama-gateway simulate`` and ``tests/bench/sim_bench.py``. Scenarios (see
 README, "Benchmarks"): the seed scenario (100 closed-loop clients, outputs uniform 10..1000),
-an open-loop Poisson trace (lengths from the Azure conv trace), a shared-system-prompt trace
-and multi-turn conversations. Policies: this scheduler (least_loaded + bounded-load prefix
-affinity), least_loaded without affinity, least_connections, round_robin, random, the
+an open-loop Poisson trace (lengths from the Azure conv trace), a shared-system-prompt trace,
+multi-turn conversations and closed-loop chat clients that keep every slot busy
+(``ChatClients``, as ``tests/bench/real_conversations.py`` drives real workers). Policies: this
+scheduler (least_loaded + bounded-load prefix affinity), the same with the affinity wait of
+delay scheduling (``scheduler.affinity_wait_ms_per_1k_tokens`` at the profile's prefill time,
+125 ms per 1,000 tokens), least_loaded without affinity, least_connections, round_robin, random, the
 Ollama-like baseline (one runner on GPU 0, FIFO, parallel = slots) and, for TTFT, an ideal
 global-queue oracle.
 
@@ -24,10 +27,12 @@ from dataclasses import dataclass
 from gateway.prompt_cache import DEFAULT_CACHE_RAM_MIB, host_cache_tokens
 from gateway.simulator.engine import Result, simulate
 from gateway.simulator.worker import PROFILES, GpuProfile
-from gateway.simulator.workload import ClosedLoop, Conversations, poisson, shared_prefix
+from gateway.simulator.workload import ChatClients, ClosedLoop, Conversations, poisson, shared_prefix
 
 POLICY_RUNS = [  # label, policy, kwargs
     ("gateway (least_loaded+affinity)", "least_loaded", {"affinity": True}),
+    ("+ affinity wait 125 ms/1k tokens", "least_loaded",
+     {"affinity": True, "affinity_wait_ms_per_1k_tokens": 125.0}),
     ("least_loaded, no affinity", "least_loaded", {"affinity": False}),
     ("least_connections", "least_connections", {}),
     ("round_robin", "round_robin", {}),
@@ -37,7 +42,8 @@ POLICY_RUNS = [  # label, policy, kwargs
 ]
 
 
-SWEEP_POLICIES = [p for p in POLICY_RUNS if p[1] in ("least_loaded", "round_robin", "oracle")]
+SWEEP_POLICIES = [p for p in POLICY_RUNS if p[1] in ("least_loaded", "round_robin", "oracle")
+                  and not p[2].get("affinity_wait_ms_per_1k_tokens")]
 SWEEP_PROMPTS = (16, 64, 128, 256)
 N_CTX = 4096
 CONV_REQ_PER_GPU_S = 1.25  # the shared-prompt trace's request rate per GPU
@@ -58,19 +64,22 @@ def worker_cache(slots: int, profile: GpuProfile) -> int:
     return host_cache_tokens(DEFAULT_CACHE_RAM_MIB, profile.kv_bytes_per_token) + slots * N_CTX
 
 
-def scenarios(duration_s: float):
-    """(name, workload factory of the GPU count, slots per GPU, warmup s). Conversations run
+def scenarios(duration_s: float, only: str = ""):
+    """(name, workload factory of the GPU count, slots per GPU, warmup s), those whose name
+    contains ``only`` (all by default). Conversations run
     5 × ``duration_s`` and are measured after the first ``duration_s``: turns come back after
     the user's think time, so caches and load need about two minutes to settle."""
     conv = CONV_REQ_PER_GPU_S / Conversations.mean_turns
-    return [
+    return [s for s in [
         ("seed: 100 concurrent, out 10..1000", lambda n: ClosedLoop(100, duration_s), 16, 20.0),
         ("poisson 2 req/s per GPU (Azure conv lengths)", lambda n: poisson(2.0 * n, duration_s), 16, 10.0),
         ("shared system prompts (64, Zipf)", lambda n: shared_prefix(1.25 * n, duration_s,
                                                                       n_prefixes=64), 8, 10.0),
         ("conversations (1.25 req/s per GPU, think 10 s)",
          lambda n: Conversations(conv * n, 5 * duration_s), 16, duration_s),
-    ]
+        ("chat clients = slots (7 chats per client, 8 turns)",
+         lambda n: ChatClients(16 * n, duration_s), 16, 20.0),
+    ] if only in s[0]]
 
 
 def sweep_scenarios(duration_s: float):
@@ -109,10 +118,11 @@ def _profile(profile: str | GpuProfile) -> GpuProfile:
 
 
 def run_all(gpus=(4, 8), duration_s: float = 120.0,
-            profile: str | GpuProfile = "rtx6000ada-llama8b-q4", policies=POLICY_RUNS) -> list[Row]:
-    """Every scenario × policy at each fleet size; ``profile``: a ``PROFILES`` name or a
-    ``GpuProfile`` (e.g. from ``GpuProfile.from_json``)."""
-    return _run(gpus, scenarios(duration_s), policies, _profile(profile), duration_s)
+            profile: str | GpuProfile = "rtx6000ada-llama8b-q4", policies=POLICY_RUNS,
+            only: str = "") -> list[Row]:
+    """Every scenario (whose name contains ``only``) × policy at each fleet size; ``profile``: a
+    ``PROFILES`` name or a ``GpuProfile`` (e.g. from ``GpuProfile.from_json``)."""
+    return _run(gpus, scenarios(duration_s, only), policies, _profile(profile), duration_s)
 
 
 def run_sweep(gpus=(4, 8), duration_s: float = 120.0,

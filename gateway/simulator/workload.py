@@ -8,6 +8,7 @@ Sources:
 - ``shared_prefix``: Poisson arrivals where each request starts with one of a few long system
   prompts (Zipf popularity) followed by a short user part.
 - ``Conversations``: multi-turn chats; each turn's prompt is the whole conversation so far.
+- ``ChatClients``: closed-loop clients carrying many multi-turn chats, turn by turn.
 - ``ClosedLoop``: N clients, each sends its next request when the previous one ends (the
   "seed scenario": 100 concurrent requests, outputs uniform 10..1000 tokens).
 
@@ -235,3 +236,73 @@ class ClosedLoop:
 
     def initial(self) -> list[Request]:
         return [r for c in range(self.clients) if (r := self.next(c, 0.0)) is not None]
+
+
+@dataclass
+class ChatClients:
+    """Closed-loop chat clients carrying many conversations turn by turn (how
+    ``tests/bench/real_conversations.py`` drives real workers): ``clients`` clients, each sends
+    the next turn of one of the ``conversations`` open chats as soon as its previous request
+    was answered, so a conversation's next turn comes from whichever client is free, not
+    necessarily when a slot of the worker that served its last turn frees. The turn is that of
+    a random chat among those not in flight. A chat ends after ``turns`` turns and a new one
+    takes its place; clients stop sending at ``duration_s``.
+
+    Turn 1 is one shared system prompt of ``system_tokens`` and a user message; each later
+    turn repeats the whole chat so far and adds a user message (uniform in ``user_len``);
+    answers are uniform in ``out_len``. All lengths are assumptions."""
+
+    clients: int
+    duration_s: float
+    conversations: int = 0
+    turns: int = 8
+    system_tokens: int = 400
+    user_len: tuple[int, int] = (50, 200)
+    out_len: tuple[int, int] = (20, 300)
+    seed: int = 5
+
+    def __post_init__(self):
+        self.rng = random.Random(self.seed)
+        self.n = 0
+        self.chats = 0
+        self.last: dict[int, Request | None] = {}   # chat -> its latest turn (None: not begun)
+        self.turn: dict[int, int] = {}
+        self.idle: list[int] = []                    # chats whose next turn may be sent
+        self.of_client: dict[int, int] = {}          # client -> chat of its request in flight
+        self.conversations = self.conversations or 7 * self.clients
+        if self.conversations < self.clients:
+            raise ValueError("ChatClients needs at least as many conversations as clients")
+        for _ in range(self.conversations):
+            self._new_chat()
+
+    def _new_chat(self) -> None:
+        c = self.chats
+        self.chats += 1
+        self.last[c], self.turn[c] = None, 0
+        self.idle.append(c)
+
+    def _send(self, client: int, now: float) -> Request:
+        c = self.idle.pop(self.rng.randrange(len(self.idle)))
+        prev = self.last[c]
+        self.turn[c] += 1
+        user = ((("c", c, "u", self.turn[c]), self.rng.randint(*self.user_len)),)
+        segs = (((("sys", 0), self.system_tokens),) + user if prev is None
+                else prev.segments + ((prev.out_id, prev.output_tokens),) + user)
+        self.n += 1
+        r = Request(self.n, now, sum(k for _, k in segs), self.rng.randint(*self.out_len),
+                    segments=segs, out_id=("c", c, "a", self.turn[c]), client=client)
+        self.last[c] = r
+        self.of_client[client] = c
+        return r
+
+    def initial(self) -> list[Request]:
+        return [self._send(k, 0.0) for k in range(self.clients)]
+
+    def next(self, client: int, now: float) -> Request | None:
+        c = self.of_client.pop(client)
+        if self.turn[c] < self.turns:
+            self.idle.append(c)
+        else:
+            del self.last[c], self.turn[c]
+            self._new_chat()
+        return None if now >= self.duration_s else self._send(client, now)

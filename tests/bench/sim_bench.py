@@ -1,7 +1,8 @@
 """Simulated routing quality at 4 and 8 GPUs, and the working-set sweep (not part of pytest;
 run by hand).
 
-    python tests/bench/sim_bench.py [--duration 120] [--out docs/bench_sim.md] [--png docs/bench_sim.png]
+    python tests/bench/sim_bench.py [--duration 120] [--gpus 4,8] [--only NAME] [--no-sweep]
+        [--out docs/bench_sim.md] [--png docs/bench_sim.png]
 """
 
 import argparse
@@ -18,14 +19,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--gpus", default="4,8")
+    ap.add_argument("--only", default="", help="only the scenarios whose name contains this")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the working-set sweep")
     ap.add_argument("--out", default="docs/bench_sim.md")
     ap.add_argument("--png", default="docs/bench_sim.png")
     a = ap.parse_args()
     t0 = time.time()
     gpus = tuple(int(x) for x in a.gpus.split(","))
-    rows = run_all(gpus, a.duration)
-    sweep = run_sweep(gpus, a.duration)
-    md = markdown(rows) + markdown_sweep(sweep)
+    rows = run_all(gpus, a.duration, only=a.only)
+    sweep = [] if a.no_sweep else run_sweep(gpus, a.duration)
+    md = markdown(rows) + (markdown_sweep(sweep) if sweep else "")
     Path(a.out).write_text(md)
     plot(rows, a.png, sweep)
     sys.stdout.write(md + f"\n({time.time() - t0:.0f} s wall)\n")

@@ -1,9 +1,11 @@
 """Property tests of the dispatcher (hypothesis): random interleavings of submit, release,
 cancel, expire, polled load, readiness changes, operator drains and crash-loop failures keep
 the invariants, with tickets of one slot and multi-slot tickets (a ``/v1`` request with ``n``
-choices holds ``n`` slots of one worker). First tokens, second releases and first tokens
-after release, and per-slot contexts read back anew keep every worker counter (``busy``,
-``prefill_backlog``, ``kv_reserved``) equal to its sum over the worker's leases."""
+choices holds ``n`` slots of one worker), with and without the affinity wait (delay
+scheduling: no ticket waits for its prefix's worker beyond ``WAIT_MAX_S``). First tokens,
+second releases and first tokens after release, and per-slot contexts read back anew keep every
+worker counter (``busy``, ``prefill_backlog``, ``kv_reserved``) equal to its sum over the
+worker's leases."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +28,10 @@ trouble_ops = st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", 
                        max_size=120)
 
 
+WAIT_MAX_S = 1.5
+waits = st.sampled_from([0.0, 0.0, 500.0, 5000.0])  # ms per 1,000 tokens held (0: off)
+
+
 class Clock:
     def __init__(self):
         self.t = 0.0
@@ -36,27 +42,31 @@ class Clock:
 
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, policy=st.sampled_from(POLICIES), slots=st.lists(st.integers(1, 3), min_size=1,
-       max_size=3), max_pending=st.integers(0, 6), unified=st.booleans())
-def test_invariants(ops, policy, slots, max_pending, unified):
-    run_invariants(ops, policy, slots, max_pending, unified)
+       max_size=3), max_pending=st.integers(0, 6), unified=st.booleans(), wait=waits)
+def test_invariants(ops, policy, slots, max_pending, unified, wait):
+    run_invariants(ops, policy, slots, max_pending, unified, wait)
 
 
 @settings(max_examples=150, deadline=None)
 @given(ops=trouble_ops, policy=st.sampled_from(POLICIES),
-       slots=st.lists(st.integers(1, 2), min_size=1, max_size=2), max_pending=st.integers(2, 6))
-def test_invariants_with_failed_and_drained_fleets(ops, policy, slots, max_pending):
+       slots=st.lists(st.integers(1, 2), min_size=1, max_size=2), max_pending=st.integers(2, 6),
+       wait=waits)
+def test_invariants_with_failed_and_drained_fleets(ops, policy, slots, max_pending, wait):
     """Crash-loop failures and operator drains of the whole fleet while tickets wait: a ticket
     is refused only when no worker can take it, and then none is left waiting."""
-    outcome = run_invariants(ops, policy, slots, max_pending, False)
+    outcome = run_invariants(ops, policy, slots, max_pending, False, wait)
     assert set(outcome.values()) <= {"dispatched", "rejected", "cancelled", "expired", "refused",
                                      "too_many"}
 
 
-def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
+def run_invariants(ops, policy, slots, max_pending, unified, wait=0.0) -> dict:
     """Apply ``ops`` to a dispatcher of ``slots`` workers, checking the invariants after every
-    step; then end every ticket. Returns each ticket's outcome by sequence number."""
+    step; then end every ticket. ``wait``: the affinity wait in ms per 1,000 tokens held.
+    Returns each ticket's outcome by sequence number."""
     clock = Clock()
-    d = Dispatcher(clock, max_pending=max_pending, scorer=make_scorer(policy, seed=0), aging_s=1.0)
+    scorer = make_scorer(policy, seed=0, affinity_wait_ms_per_1k_tokens=wait,
+                         affinity_wait_max_s=WAIT_MAX_S)
+    d = Dispatcher(clock, max_pending=max_pending, scorer=scorer, aging_s=1.0)
     for i, s in enumerate(slots):
         d.add_worker(f"w{i}", "m", s, n_ctx=400, kv_capacity=400 if unified else 400 * s)
         d.set_ready(f"w{i}", True)
@@ -162,6 +172,9 @@ def run_invariants(ops, policy, slots, max_pending, unified) -> dict:
                 assert w.free == 0  # never leased, whatever readiness says
         assert len(d.queue) <= max_pending
         assert set(d.queue) == queued
+        for tk in d.queue:  # an affinity wait never runs past its bound
+            if tk.held_until is not None:
+                assert tk.held_until <= tk.enqueued_at + WAIT_MAX_S + 1e-9
         if queued:  # nothing waits for a model that no worker can take
             assert d.refusal("m") is None
     # drain: bring everything up, release all, let time pass -> every admitted ticket ends
@@ -238,3 +251,37 @@ def test_multi_slot_ticket_not_starved(slots, data):
         if served_at is not None:
             break
     assert served_at is not None and served_at <= 1.0 + 0.25 * (slots + 1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(turns=st.integers(2, 12), wait=st.floats(1.0, 5000.0), max_s=st.floats(0.01, 3.0),
+       arrivals=st.lists(st.floats(0.0, 0.5), max_size=20))
+def test_affinity_wait_is_bounded(turns, wait, max_s, arrivals):
+    """A chat turn whose worker stays busy waits for it at most its bound (held tokens × the
+    wait per token, at most ``max_s``): pumped at ``next_wakeup``, as the live gateway's timer
+    does, it goes to the free worker then, and requests without a prefix arriving meanwhile are
+    never held behind it."""
+    clock = Clock()
+    d = Dispatcher(clock, max_pending=1000, aging_s=1.0,
+                   scorer=make_scorer("least_loaded", affinity_wait_ms_per_1k_tokens=wait,
+                                      affinity_wait_max_s=max_s))
+    for i in range(2):
+        d.add_worker(f"w{i}", "m", 1)
+        d.set_ready(f"w{i}", True)
+    chain = ((1, 500),) + tuple(((1, 7, i), 500 + 600 * i) for i in range(1, turns + 1))
+    first = d.submit(Ticket("turn1", "m", prefix_key=1, prefix_chain=chain[:turns]))
+    assert first.worker.id == "w0"
+    nxt = Ticket("next", "m", prefix_key=1, prefix_chain=chain)
+    bound = min(max_s, chain[turns - 1][1] * wait / 1e6)
+    assert d.submit(nxt) is None
+    for i, dt in enumerate(sorted(a for a in arrivals if a < bound)):
+        clock.t = dt
+        other = d.submit(Ticket(f"o{i}", "m"))
+        assert other is not None and other.worker.id == "w1"  # no head-of-line blocking
+        assert other.release() == []  # still in its wait: w1's free slot does not take it
+    at = d.next_wakeup()
+    assert at is not None and at <= bound + 1e-9
+    clock.t = at
+    got = next(lease for tk, lease in d.pump() if tk is nxt)
+    assert got.worker.id == "w1" and clock.t <= bound + 1e-9
+    assert first.worker.busy == 1

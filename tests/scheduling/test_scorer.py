@@ -202,3 +202,75 @@ def test_a_reload_keeps_the_prefix_index():
     rr = keep_prefix_index(ll, make_scorer("round_robin"))
     assert not hasattr(rr, "index")
     assert keep_prefix_index(rr, make_scorer("least_loaded")).index is not ll.index
+
+
+class StepClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def delay_fleet(max_pending=100, **kw):
+    """Two workers of one slot with the affinity wait at 100 ms per 1,000 tokens held, and a
+    chat turn running on w0 (it holds the chat's prefix): (dispatcher, clock, that lease)."""
+    clock = StepClock()
+    d = Dispatcher(clock, max_pending=max_pending,
+                   scorer=make_scorer("least_loaded", affinity_wait_ms_per_1k_tokens=100.0, **kw))
+    for i in range(2):
+        d.add_worker(f"w{i}", "m", 1)
+        d.set_ready(f"w{i}", True)
+    turn1 = d.submit(t(1, prefix_key=1, prefix_chain=conv(3)))
+    assert turn1.worker.id == "w0"
+    return d, clock, turn1
+
+
+def test_affinity_wait_holds_the_next_turn_while_others_take_the_free_slot():
+    """Delay scheduling (Zaharia et al.): the next turn waits for w0, which holds 1,700 tokens
+    of it, while a request without a prefix takes free w1 at once; w0's release hands it the
+    turn."""
+    d, clock, turn1 = delay_fleet()
+    nxt = t(2, prefix_key=1, prefix_chain=conv(4))
+    assert d.submit(nxt) is None
+    assert nxt.held_until == pytest.approx(0.17)  # 1,700 tokens × 0.1 ms
+    assert d.next_wakeup() == pytest.approx(0.17)
+    clock.t = 0.05
+    other = d.submit(t(3))
+    assert other is not None and other.worker.id == "w1"  # not blocked behind the waiting turn
+    ((tk, lease),) = turn1.release()
+    assert tk is nxt and lease.worker.id == "w0" and nxt.held_until is None
+
+
+def test_affinity_wait_ends_at_its_bound_and_any_worker_takes_the_ticket():
+    d, clock, turn1 = delay_fleet()
+    nxt = t(2, prefix_key=1, prefix_chain=conv(4))
+    assert d.submit(nxt) is None
+    clock.t = 0.1
+    assert d.pump() == []  # still within its wait, w1 idle
+    clock.t = d.next_wakeup()
+    ((tk, lease),) = d.pump()
+    assert tk is nxt and lease.worker.id == "w1"
+    assert d.next_wakeup() is None and turn1.worker.busy == 1
+
+
+def test_affinity_wait_capped_and_off_by_default():
+    d, _, _ = delay_fleet(affinity_wait_max_s=0.05)
+    nxt = t(2, prefix_key=1, prefix_chain=conv(8))  # 4,700 tokens held: 0.47 s uncapped
+    assert d.submit(nxt) is None and nxt.held_until == pytest.approx(0.05)
+    d2 = mk(n=2, slots=1)  # default: no wait, the free worker takes it
+    d2.submit(t(1, prefix_key=1, prefix_chain=conv(3)))
+    assert d2.submit(t(2, prefix_key=1, prefix_chain=conv(4))).worker.id == "w1"
+
+
+def test_affinity_wait_never_for_a_head_key_or_when_the_queue_is_full():
+    d, _, _ = delay_fleet()
+    assert d.submit(t(2, prefix_key=1)).worker.id == "w1"  # head key only: a tie-breaker
+    d, _, _ = delay_fleet(max_pending=0)  # it could not queue: a free worker takes it now
+    assert d.submit(t(2, prefix_key=1, prefix_chain=conv(4))).worker.id == "w1"
+
+
+def test_waiting_ticket_does_not_wait_for_a_worker_it_avoids():
+    d, _, _ = delay_fleet()
+    retry = t(2, prefix_key=1, prefix_chain=conv(4), avoid=frozenset({"w0"}))
+    assert d.submit(retry).worker.id == "w1"

@@ -1,7 +1,9 @@
 """Simulator workloads (gateway.simulator.workload)."""
 
-from gateway.simulator.workload import (Conversations, Request, distinct_prefix_tokens,
-                                        shared_prefix)
+import pytest
+
+from gateway.simulator.workload import (ChatClients, Conversations, Request,
+                                        distinct_prefix_tokens, shared_prefix)
 
 
 def test_request_defaults_to_one_segment_of_its_own():
@@ -39,3 +41,18 @@ def test_conversations_stop_before_the_context_is_full():
         assert r.prompt_tokens + r.output_tokens <= 1500
         turns += 1
     assert turns < 10
+
+
+def test_chat_clients_carry_many_chats_turn_by_turn():
+    w = ChatClients(clients=2, duration_s=10.0, conversations=3, turns=2)
+    first = w.initial()
+    assert len(first) == 2 and first[0].segments[0] == (("sys", 0), 400)
+    chats = {w.of_client[0], w.of_client[1]}
+    sent = [w.next(0, 1.0) for _ in range(5)]  # client 0 goes on with whatever chat is idle
+    assert all(r is not None and r.client == 0 for r in sent)
+    later = [r for r in sent if len(r.segments) == 4]  # a second turn: the first one + answer
+    assert later and all(r.segments[:2] in [f.segments for f in first + sent] for r in later)
+    assert w.chats > 3  # chats that had their 2 turns were replaced by new ones
+    assert len(chats) == 2 and w.next(1, 10.0) is None  # no new turn after duration_s
+    with pytest.raises(ValueError):
+        ChatClients(clients=4, duration_s=1.0, conversations=3)
