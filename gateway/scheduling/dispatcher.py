@@ -232,12 +232,17 @@ class Dispatcher:
 
     def _holds(self, ticket: Ticket, candidates: list[WorkerView], now: float) -> bool:
         """Whether ``ticket``, which ``candidates`` could take now, waits for the worker that
-        holds its prefix (delay scheduling, module docstring); sets ``ticket.held_until``."""
+        holds its prefix (delay scheduling, module docstring); sets ``ticket.held_until``. The
+        wait is at most half the ticket's queue timeout, so a wait longer than that in the config
+        cannot turn into a queue-timeout 503 while another worker has a free slot."""
         wait = getattr(self.scorer, "affinity_wait", None)
         if wait is not None:
             fleet = [w for w in self.workers.values() if w.model == ticket.model
                      and w.in_rotation and w.slots >= ticket.slots and w.id not in ticket.avoid]
-            until = ticket.enqueued_at + wait(candidates, ticket, fleet)
+            waited = wait(candidates, ticket, fleet)
+            if ticket.queue_timeout_s is not None:  # end well before the queue timeout (503)
+                waited = min(waited, ticket.queue_timeout_s / 2)
+            until = ticket.enqueued_at + waited
             if now < until:
                 ticket.held_until = until
                 return True

@@ -263,6 +263,17 @@ def test_affinity_wait_capped_and_off_by_default():
     assert d2.submit(t(2, prefix_key=1, prefix_chain=conv(4))).worker.id == "w1"
 
 
+def test_affinity_wait_ends_by_half_the_queue_timeout():
+    """A wait set longer than the queue timeout ends at half of it (a fresh tester saw a 503
+    "timed out waiting for a free slot" while the other worker idled)."""
+    d, clock, _ = delay_fleet(affinity_wait_max_s=30.0)
+    nxt = t(2, prefix_key=1, prefix_chain=conv(8), queue_timeout_s=0.2)  # 0.47 s uncapped
+    assert d.submit(nxt) is None and nxt.held_until == pytest.approx(0.1)
+    clock.t = d.next_wakeup()
+    ((tk, lease),) = d.pump()
+    assert tk is nxt and lease.worker.id == "w1" and d.expire() == []
+
+
 def test_affinity_wait_never_for_a_head_key_or_when_the_queue_is_full():
     d, _, _ = delay_fleet()
     assert d.submit(t(2, prefix_key=1)).worker.id == "w1"  # head key only: a tie-breaker
