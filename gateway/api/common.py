@@ -145,6 +145,8 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
             raise ApiError(400, f"X-Priority must be an integer, got '{header_text(hdr)}'") from None
     ticket = Ticket(request_id=request_id(request), model=model, priority=prio,
                     est_tokens=est_tokens, queue_timeout_s=queue_timeout_s)
+    # known from here on, also for a request that never gets a worker (request.done, 499/503)
+    request["priority"], request["ticket"] = prio, ticket
     fleet = getattr(gw, "fleet", None)
     if body is not None and fleet is not None:
         size = fleet.estimate(model, body)

@@ -9,6 +9,7 @@ Each slot state is read from the worker's own ``/slots`` (``GatewayProc.slots``)
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import threading
 import time
 
@@ -135,12 +136,20 @@ def _post_in_thread(url, body, timeout, headers=None):
 def test_queued_client_disconnect_leaves_queue_at_once(gw1):
     blocker = Stream(gw1)
     blocker.first()
-    th, out = _post_in_thread(gw1.url + "/api/generate", {**LONG, "stream": False}, timeout=0.8)
+    th, out = _post_in_thread(gw1.url + "/api/generate", {**LONG, "stream": False}, timeout=0.8,
+                              headers={"X-Priority": "3", "X-Request-ID": "left-while-queued"})
     assert wait_until(lambda: gateway_state(gw1)["queue"]["depth"] == 1, 1.0)
     th.join()
     assert isinstance(out.get("error"), httpx.TimeoutException)  # the client gave up
     # gone from the gateway's queue within a poll step of the client leaving
     assert wait_until(lambda: gateway_state(gw1)["queue"]["depth"] == 0, 0.5)
+    # its request.done says how long it waited and in which class (a fresh tester found both
+    # missing for a queued request whose client left)
+    done = wait_until(lambda: [e for ln in gw1.log_path.read_text().splitlines()
+                               if '"left-while-queued"' in ln and '"request.done"' in ln
+                               for e in [json.loads(ln)]], 2.0)
+    assert done and done[0]["status"] == 499 and done[0]["priority"] == 3, done
+    assert 300 <= done[0]["queue_wait_ms"] <= 1500, done
     blocker.kill()
     w = gw1.workers()[0]
     assert wait_until(lambda: not any(s.get("is_processing") for s in gw1.slots(w)))
