@@ -236,7 +236,8 @@ class Dispatcher:
         wait is at most half the ticket's queue timeout, so a wait longer than that in the config
         cannot turn into a queue-timeout 503 while another worker has a free slot."""
         wait = getattr(self.scorer, "affinity_wait", None)
-        if wait is not None:
+        # off (the default): no fleet list on every submit and pump for a wait of 0
+        if wait is not None and getattr(self.scorer, "wait_s_per_token", 0):
             fleet = [w for w in self.workers.values() if w.model == ticket.model
                      and w.in_rotation and w.slots >= ticket.slots and w.id not in ticket.avoid]
             waited = wait(candidates, ticket, fleet)
