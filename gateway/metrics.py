@@ -38,12 +38,13 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 
 
 def note_lease(request: "web.Request", lease) -> None:
-    """Record on ``request`` which worker serves it and how long it queued (ms)."""
+    """Record on ``request`` which worker serves it and how long it queued (ms, every attempt
+    of a retried request: ``Ticket.queue_wait_s``)."""
     t = lease.ticket
     request["worker"] = lease.worker.id
     request["model"] = t.model
     request["priority"] = t.priority
-    request["queue_wait_ms"] = round(max(0.0, lease.granted_at - t.enqueued_at) * 1000, 3)
+    request["queue_wait_ms"] = round(t.queue_wait_s(lease.granted_at) * 1000, 3)
 
 
 def note_first_byte(request: "web.Request") -> None:
