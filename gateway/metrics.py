@@ -4,7 +4,8 @@ Two kinds of metric (names listed in the README, "Prometheus metrics"):
 
 * event metrics, updated once per finished request by the middleware: requests by endpoint,
   model and status; end-to-end latency, time to first token and queue wait histograms
-  (seconds); prompt and generated tokens;
+  (seconds); prompt and generated tokens; and requests aiohttp's HTTP parser refused
+  (``unparsed``, counted by ``gateway.logs.ServerLogger``: no gateway code sees them);
 * live metrics, read at scrape time by :class:`LiveCollector` from the gateway's own state:
   queue depth by priority, in-flight requests, per worker slots busy/total, KV fill,
   deferred requests, tokens/s, restarts and state, and per GPU utilisation, memory,
@@ -125,6 +126,9 @@ class GatewayMetrics:
                                   registry=r)
         self.reloads = Counter(f"{PREFIX}_config_reloads", "Config reloads by result", ["result"],
                                registry=r)
+        self.unparsed = Counter(f"{PREFIX}_requests_unparsed",
+                                "Requests aiohttp's HTTP parser refused (its text/plain 400)",
+                                registry=r)
         r.register(LiveCollector(gw, gpu_stats))
         self.errors = RecentErrors()
 
