@@ -23,7 +23,7 @@ from gateway.expect import with_expect
 from gateway.fleet import Fleet
 from gateway.inventory import Inventory, ModelEntry, full_name
 from gateway.listen import bind_listen
-from gateway.logs import get_logger
+from gateway.logs import ServerLogger, get_logger
 from gateway.metrics import GatewayMetrics, worker_state
 from gateway.middleware import Guard, gateway_middleware, guard_middleware
 from gateway.notify import Notifier, fleet_status
@@ -210,9 +210,11 @@ class Gateway:
         # whose request has not fully arrived that long after connect / the last response.
         # auto_decompress=False: gateway/limits.py read_body decodes bodies itself, bounded by
         # the current limits.max_body_bytes.
+        # logger: counts the requests aiohttp's parser refuses (no gateway code sees them).
         self.runner = web.AppRunner(self.build_app(), handler_cancellation=True,
                                     access_log=None, shutdown_timeout=1.0, auto_decompress=False,
-                                    keepalive_timeout=cfg.timeouts.header_read_s)
+                                    keepalive_timeout=cfg.timeouts.header_read_s,
+                                    logger=ServerLogger(self.metrics.unparsed.inc))
         await self.runner.setup()
         for sock in self._socks:
             await web.SockSite(self.runner, sock).start()

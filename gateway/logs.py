@@ -15,13 +15,15 @@ parser refused, answered by aiohttp with its own text/plain 400; or a handler th
 ``event: "request.unparsed"`` with the client's address in ``remote`` instead of in the
 event, so it is one event name whoever sent it; for a parser refusal ``status`` and ``error``
 are aiohttp's status and reason (what the client was answered). Its level stays aiohttp's
-(error, debug for a first request that is not HTTP at all).
+(error, debug for a first request that is not HTTP at all). :class:`ServerLogger`, the
+logger aiohttp's server is given, counts the parser's refusals (``/metrics``) at any level.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Callable
 
 import structlog
 from aiohttp.http_exceptions import HttpProcessingError
@@ -47,6 +49,25 @@ def _stdlib_fields(_logger, _name: str, event_dict: dict) -> dict:
     if isinstance(exc, HttpProcessingError):
         event_dict["status"], event_dict["error"] = exc.code, exc.message
     return event_dict
+
+
+class ServerLogger(logging.LoggerAdapter):
+    """The logger of aiohttp's server (``web.AppRunner(logger=...)``): records go on to the
+    ``aiohttp.server`` logger unchanged, and ``on_unparsed()`` is called once for each request
+    aiohttp's HTTP parser refused (its ``"Error handling request from %s"`` with an
+    ``HttpProcessingError``: the ``request.unparsed`` record), before the level filter, so a
+    bad method as a connection's first request (logged at debug) counts too."""
+
+    def __init__(self, on_unparsed: Callable[[], object]):
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self.on_unparsed = on_unparsed
+
+    def log(self, level, msg, *args, **kwargs) -> None:
+        # aiohttp's debug() and exception() both come here (logging.LoggerAdapter)
+        if msg == _AIOHTTP_REQUEST_ERROR and isinstance(kwargs.get("exc_info"),
+                                                        HttpProcessingError):
+            self.on_unparsed()
+        super().log(level, msg, *args, **kwargs)
 
 
 def configure(level: str = "info", fmt: str = "auto") -> None:

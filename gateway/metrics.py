@@ -4,7 +4,8 @@ Two kinds of metric (names listed in the README, "Prometheus metrics"):
 
 * event metrics, updated once per finished request by the middleware: requests by endpoint,
   model and status; end-to-end latency, time to first token and queue wait histograms
-  (seconds); prompt and generated tokens;
+  (seconds); prompt and generated tokens; and requests aiohttp's HTTP parser refused
+  (``unparsed``, counted by ``gateway.logs.ServerLogger``: no gateway code sees them);
 * live metrics, read at scrape time by :class:`LiveCollector` from the gateway's own state:
   queue depth by priority, in-flight requests, per worker slots busy/total, KV fill,
   deferred requests, tokens/s, restarts and state, and per GPU utilisation, memory,
@@ -38,12 +39,13 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 
 
 def note_lease(request: "web.Request", lease) -> None:
-    """Record on ``request`` which worker serves it and how long it queued (ms)."""
+    """Record on ``request`` which worker serves it and how long it queued (ms, every attempt
+    of a retried request: ``Ticket.queue_wait_s``)."""
     t = lease.ticket
     request["worker"] = lease.worker.id
     request["model"] = t.model
     request["priority"] = t.priority
-    request["queue_wait_ms"] = round(max(0.0, lease.granted_at - t.enqueued_at) * 1000, 3)
+    request["queue_wait_ms"] = round(t.queue_wait_s(lease.granted_at) * 1000, 3)
 
 
 def note_first_byte(request: "web.Request") -> None:
@@ -124,6 +126,9 @@ class GatewayMetrics:
                                   registry=r)
         self.reloads = Counter(f"{PREFIX}_config_reloads", "Config reloads by result", ["result"],
                                registry=r)
+        self.unparsed = Counter(f"{PREFIX}_requests_unparsed",
+                                "Requests aiohttp's HTTP parser refused (its text/plain 400)",
+                                registry=r)
         r.register(LiveCollector(gw, gpu_stats))
         self.errors = RecentErrors()
 

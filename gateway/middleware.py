@@ -3,9 +3,9 @@ shape, 503 while shutting down, metrics and one access-log event per request.
 
 Access log event ``request.done``, one per request, client disconnects included (status 499,
 ``client_left: true``): request_id, method, path, status, ms (end to end), and when the handler
-knew them (gateway/metrics.py ``note_*``; priority and, for a request that never got a worker,
-queue_wait_ms from its admission ticket): model, worker, priority, queue_wait_ms, ttft_ms,
-prompt_eval_count, eval_count (tokens).
+knew them (gateway/metrics.py ``note_*``; priority and, for a request that was never served,
+queue_wait_ms from its admission ticket): model, worker, priority, queue_wait_ms (time queued
+over all attempts of a retried request), ttft_ms, prompt_eval_count, eval_count (tokens).
 
 ``guard_middleware``: who may come in and how big a request may be (see ``Guard.run``).
 """
@@ -103,10 +103,9 @@ def finished(request: web.Request, gw, status: int) -> None:
         gw.metrics.observe(request, status, ms / 1000)
         ticket = request.get("ticket")
         if request.get("queue_wait_ms") is None and ticket is not None and ticket.enqueued_at:
-            # admitted, never given a worker (client left while queued, queue timeout): the
-            # wait so far
-            request["queue_wait_ms"] = round(
-                max(0.0, gw.dispatcher.clock() - ticket.enqueued_at) * 1000, 3)
+            # admitted, never served (client left while queued, queue timeout, its attempts
+            # failed): the time it queued so far
+            request["queue_wait_ms"] = round(ticket.queue_wait_s(gw.dispatcher.clock()) * 1000, 3)
     extra = {k: request[k] for k in _ACCESS_FIELDS if request.get(k) is not None}
     if status == CLIENT_CLOSED:
         extra["client_left"] = True

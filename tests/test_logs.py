@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import structlog
-from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod
 
 from gateway import logs
 
@@ -63,6 +63,25 @@ def test_aiohttp_request_error_is_one_event_name_with_fields(stderr):
     assert rec["remote"] == "10.1.2.3" and rec["level"] == "error"
     assert rec["status"] == 400 and rec["error"] == "Duplicate 'Content-Type' header found."
     assert "BadHttpMessage" in rec["exception"]
+
+
+def test_server_logger_counts_parser_refusals_at_any_level_and_logs_them_unchanged(stderr):
+    """``ServerLogger`` (aiohttp's server logger in the gateway): each parser refusal counts
+    once, also one aiohttp logs at debug below the configured level; other server errors do not
+    count; the records are the same ``request.unparsed`` ones."""
+    logs.configure("info", "json")
+    counted = []
+    server = logs.ServerLogger(lambda: counted.append(1))
+    server.exception("Error handling request from %s", "10.1.2.3",
+                     exc_info=BadHttpMessage("Duplicate 'Content-Type' header found."))
+    server.debug("Error handling request from %s", "10.1.2.4",
+                 exc_info=BadHttpMethod("\x16\x03\x01"))  # a first request that is not HTTP
+    server.exception("Unhandled exception", exc_info=ValueError("a handler bug"))
+    assert len(counted) == 2
+    out = lines(stderr)
+    assert [(r["event"], r["logger"]) for r in out] == [
+        ("request.unparsed", "aiohttp.server"), ("Unhandled exception", "aiohttp.server")]
+    assert out[0]["remote"] == "10.1.2.3" and out[0]["status"] == 400
 
 
 def test_level_applies_to_stdlib_records_and_reconfigure_replaces_the_handler(stderr):

@@ -112,11 +112,13 @@ def note_upstream_error(request: web.Request, message: str, streamed: bool,
     silent connection): ``request["error"]`` = ``message``, ``request["worker"]`` = the worker
     (the lease's, from ``note_lease``; else ``error.worker``, a worker that refused before
     answering, so ``request.done`` names it too), and one ``request.upstream_error`` warning
-    with request_id, worker, gpu (``Fleet.gpu_of``: "0", "1,3", "cpu"; None when no worker was
-    leased), error (``message``) and streamed (whether the client's answer had begun)."""
+    with request_id, worker (``error.worker`` when set: one input of an embedding batch names
+    its own worker; else ``request["worker"]``), gpu (``Fleet.gpu_of``: "0", "1,3", "cpu"; None
+    when no worker was leased), error (``message``) and streamed (whether the client's answer
+    had begun)."""
     if request.get("worker") is None and error is not None and error.worker:
         request["worker"] = error.worker
-    worker = request.get("worker")
+    worker = error.worker if error is not None and error.worker else request.get("worker")
     request["error"] = message
     log.warning("request.upstream_error", request_id=request.get("request_id"), worker=worker,
                 gpu=request.app["gw"].fleet.gpu_of(worker), error=message, streamed=streamed)

@@ -34,7 +34,7 @@ from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import require
-from gateway.api.common import make_ticket, read_json, t0_ns
+from gateway.api.common import make_ticket, note_upstream_error, read_json, t0_ns
 from gateway.api.errors import ApiError, admission_error, model_not_found_v1
 from gateway.api.ollama import resolve_model
 from gateway.api.ollama_mapping import parse_keep_alive
@@ -91,8 +91,11 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
                      index: int, follow_on: bool, on_admitted=None) -> tuple[list[float], int]:
     """Input number ``index`` of a request → (vector, prompt tokens). The first input's ticket is
     the request's admission; the others are ``follow_on`` (``embed_many``). ``on_admitted``: see
-    ``Upstream.request``. Raises ApiError / UpstreamError, and admission's refusals
-    (``QueueFull``, ``Unavailable``, ``QueueTimeout``)."""
+    ``Upstream.request``. A worker's failure of the input is logged as for chat and generate
+    (``note_upstream_error``: one ``request.upstream_error`` naming that worker), also when the
+    gateway answers it as the client's error (too long, empty). Raises ApiError /
+    UpstreamError, and admission's refusals (``QueueFull``, ``Unavailable``,
+    ``QueueTimeout``)."""
     gw = request.app["gw"]
     limit = input_limit(gw, entry)
     payload = text
@@ -109,9 +112,14 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
     try:
         async with gw.upstream.request(ticket, "/v1/embeddings", {"input": payload},
                                        on_admitted) as (lease, resp):
-            data = orjson.loads(await read_all(resp))
+            try:
+                data = orjson.loads(await read_all(resp))
+            except UpstreamError as e:  # its connection broke mid-answer
+                e.worker = lease.worker.id
+                raise
             request.setdefault("workers_used", []).append(lease.worker.id)
     except UpstreamError as e:
+        note_upstream_error(request, e.message, False, e)
         if _is_too_long(e):
             raise ApiError(400, TOO_LONG) from None
         if e.status == 400 and not text:

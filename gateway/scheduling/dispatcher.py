@@ -222,6 +222,8 @@ class Dispatcher:
         fleet = [w for w in self.workers.values()
                  if w.model == ticket.model and w.ready and not w.draining]
         ticket.held_until = None
+        ticket.waited_s += max(0.0, now - ticket.enqueued_at)
+        ticket.granted = True
         worker = self.scorer.pick(candidates, ticket, now, fleet)
         assert worker.free >= ticket.slots, "scorer picked a worker without enough free slots"
         return SlotLease(worker, ticket, now, self._on_release)
@@ -313,7 +315,7 @@ class Dispatcher:
         self.cut_slots(ticket)
         self.check_fits(ticket)
         now = self.clock()
-        ticket.enqueued_at = now
+        ticket.enqueued_at, ticket.granted = now, False
         if not self._queued_ahead(ticket.model):
             cands = self._candidates(ticket)
             # A ticket that would wait for its prefix's worker but cannot queue is granted now.

@@ -26,7 +26,12 @@ class Ticket:
         prefix_key: hash of the shared prompt prefix (system prompt / conversation head), or None.
         prefix_chain: (hash, estimated tokens) of the prompt up to each of its boundaries (chat
             messages), shortest first (``gateway.sizing.prefix_chain``); () if unknown.
-        enqueued_at: clock seconds when it was admitted (set by the dispatcher).
+        enqueued_at: clock seconds when it was admitted (set by the dispatcher; a retry
+            admits the same ticket again, so this is its last attempt's).
+        waited_s: seconds it spent queued in the attempts that got a slot, a retried
+            request's earlier attempts included (the dispatcher adds each attempt's wait when
+            it grants one; ``queue_wait_s``).
+        granted: whether its last admission got a slot (set by the dispatcher).
         queue_timeout_s: longest wait in the queue, seconds; None = no limit.
         seq: admission order, for FIFO within a priority class.
         avoid: ids of workers this request already failed on before any response byte; a
@@ -63,6 +68,16 @@ class Ticket:
     slots: int = 1
     prompts: int = 1
     held_until: float | None = None
+    waited_s: float = 0.0
+    granted: bool = False
+
+    def queue_wait_s(self, now: float) -> float:
+        """Seconds the request spent queued over all its attempts, up to ``now`` (clock
+        seconds) while it still waits: ``waited_s``, plus the time since ``enqueued_at`` when
+        its last admission has no slot yet."""
+        if self.granted or not self.enqueued_at:
+            return self.waited_s
+        return self.waited_s + max(0.0, now - self.enqueued_at)
 
     def deadline(self) -> float | None:
         """Clock seconds after which a still-queued ticket is expired, or None."""

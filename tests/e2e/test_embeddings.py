@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures as cf
 import json
 import math
+import time
 
 import aiohttp
 import httpx
@@ -120,6 +121,40 @@ def test_empty_string_in_a_batch_is_embedded_or_named(gw):
     # a whole empty input stays Ollama's "load the model" answer
     assert httpx.post(gw.url + "/api/embed", json={"model": "embed", "input": ""}).json() == \
         {"model": "embed", "embeddings": []}
+
+
+def _log(gw, event: str, rid: str, timeout: float = 5.0) -> list[dict]:
+    """The gateway log's ``event`` records of request ``rid``, waiting up to ``timeout`` s for
+    at least one."""
+    end = time.monotonic() + timeout
+    while True:
+        found = [rec for ln in gw.log_path.read_text(errors="replace").splitlines()
+                 if f'"{rid}"' in ln for rec in [json.loads(ln)]
+                 if rec.get("event") == event and rec.get("request_id") == rid]
+        if found or time.monotonic() > end:
+            return found
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/api/embed", {"model": "embed", "input": ["alpha", ""]}),
+    ("/v1/embeddings", {"model": "embed", "input": ["", "alpha"]}),
+])
+def test_a_worker_failing_an_embedding_is_logged_as_an_upstream_error(gw, path, body):
+    """A worker's refusal of an embedding input (llama-server's 400 for an empty text the
+    plain demo model has no token for) is one ``request.upstream_error`` warning naming that
+    worker and its gpu, as for chat and generate (embeddings logged none before), and
+    ``request.done`` names the same worker."""
+    rid = "embed-upstream-error" + path.replace("/", "-")
+    r = httpx.post(gw.url + path, json=body, headers={"X-Request-ID": rid}, timeout=60)
+    assert r.status_code == 400 and "is empty" in r.text, r.text
+    errs = _log(gw, "request.upstream_error", rid)
+    assert len(errs) == 1, errs
+    err = errs[0]
+    assert err["worker"] in ("embed-cpu0", "embed-cpu1") and err["gpu"] == "cpu", err
+    assert err["level"] == "warning" and "empty" in err["error"] and err["streamed"] is False
+    done = _log(gw, "request.done", rid)
+    assert [(d["worker"], d["status"]) for d in done] == [(err["worker"], 400)], done
 
 
 def test_an_embedding_model_refuses_generation_on_every_api(gw):

@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import base_config, free_port
 from tests.e2e.compat_helpers import model, raw_exchange
@@ -85,6 +86,29 @@ def test_request_aiohttp_refuses_is_one_json_record_and_the_next_is_answered(gw,
                    timeout=60)
     assert r.status_code == 200 and r.json()["done"] is True
     records(gw)  # every line still JSON
+
+
+def unparsed_total(gw) -> float:
+    """``llama_gateway_requests_unparsed_total`` scraped from the gateway's ``/metrics``."""
+    text = httpx.get(gw.url + "/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "llama_gateway_requests_unparsed_total")
+
+
+@pytest.mark.parametrize("head", [
+    # a request line with a version that is not HTTP's (logged at error)
+    b"GET /api/tags HTTP/9.x\r\nHost: localhost\r\n\r\n",
+    # not HTTP at all as a connection's first bytes (a bad method: aiohttp logs it at debug)
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 hello\r\n\r\n",
+], ids=["bad-version", "not-http"])
+def test_request_aiohttp_refuses_is_counted_in_metrics(gw, head):
+    """A malformed request line, answered by aiohttp's parser before any gateway code runs
+    (README "Known gaps"), counts once in ``llama_gateway_requests_unparsed_total``, whatever
+    level aiohttp logs it at."""
+    before = unparsed_total(gw)
+    out = raw_exchange(gw.port, head)
+    assert out.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), out[:200]
+    assert unparsed_total(gw) == before + 1
 
 
 def _drained(gw, worker: str, on: bool) -> None:

@@ -95,6 +95,58 @@ def test_a_retry_goes_to_another_worker_not_back_to_the_silent_one(tmp_path, gat
         assert len(retries) <= 1, retries
 
 
+def test_queue_wait_of_a_retried_request_counts_every_attempt(tmp_path, gateway_factory):
+    """``queue_wait_ms`` in ``request.done`` is the time a request spent queued over all its
+    attempts. Here one request queues behind another on the silent worker (the real one is
+    drained), gets that worker when the other is retried away after ``first_byte_s``, is itself
+    retried after ``first_byte_s`` and then finds the real worker free: its wait is the first
+    attempt's (about ``first_byte_s``), not the retry's alone (about 0, as it used to log), and
+    not its time on the silent worker either."""
+    admin = {"Authorization": "Bearer admin-token"}
+    binary = fake_binary(tmp_path, "silent", real=str(ensure_llama_server()))
+    cfg = base_config(free_port(), admin={"token": "admin-token"},
+                      llama_server={"binary": str(binary), "threads": 1,
+                                    "wedge_after_stalls": 100},
+                      timeouts={"first_byte_s": 2.0}, scheduler={"prefix_affinity": False})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    fake = wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")
+    real = next(w["id"] for w in gw.workers() if w["id"] != fake["id"])
+
+    def busy(worker_id: str) -> int:
+        return next(w["busy"] for w in gw.workers() if w["id"] == worker_id)
+
+    def post(rid: str):
+        return httpx.post(gw.url + "/api/generate", headers={"X-Request-ID": rid}, timeout=60,
+                          json={"model": "demo", "prompt": "hi", "raw": True, "stream": False,
+                                "options": {"num_predict": 1}})
+
+    def log_lines(event: str, rid: str) -> list[dict]:
+        return [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
+                if f'"{event}"' in ln and f'"{rid}"' in ln]
+
+    r = httpx.post(f"{gw.url}/gateway/api/admin/workers/{real}/drain", headers=admin, timeout=10)
+    assert r.status_code == 200, r.text
+    with cf.ThreadPoolExecutor(2) as ex:
+        first = ex.submit(post, "occupies-silent")
+        wait_for(lambda: busy(fake["id"]) == 1, 10, "first request on the silent worker")
+        second = ex.submit(post, "queued-then-retried")
+        wait_for(lambda: gw.status()["queue"]["depth"] == 1, 10, "second request queued")
+        # the first is retried away from the silent worker, which the second then gets
+        wait_for(lambda: log_lines("upstream.retry", "occupies-silent"), 10, "first retried")
+        r = httpx.post(f"{gw.url}/gateway/api/admin/workers/{real}/undrain", headers=admin,
+                       timeout=10)
+        assert r.status_code == 200, r.text
+        assert first.result(timeout=60).status_code == 200
+        assert second.result(timeout=60).status_code == 200
+    retries = log_lines("upstream.retry", "queued-then-retried")
+    assert [e["worker"] for e in retries] == [fake["id"]], retries
+    done = wait_for(lambda: log_lines("request.done", "queued-then-retried"), 5, "request.done")
+    assert done[0]["worker"] == real, done
+    assert done[0]["queue_wait_ms"] >= 1000, done  # it queued behind the first request
+    assert done[0]["queue_wait_ms"] <= done[0]["ms"] - 2000, done  # not its 2 s on the fake
+
+
 def test_non_streamed_v1_on_a_silent_worker_is_retried_or_failed_like_a_stream(tmp_path,
                                                                               gateway_factory):
     """Case 10 for non-streamed /v1 requests: they are streamed from the worker, so the

@@ -126,6 +126,29 @@ def test_a_retry_avoids_the_worker_it_failed_on_unless_nothing_else_is_free():
     assert d.submit(t(3, avoid=frozenset({failed_on}))) is None  # nothing free: it waits
 
 
+def test_queue_wait_adds_up_the_attempts_of_a_retried_ticket():
+    """A retry submits the same ticket again: ``queue_wait_s`` is the wait of every attempt
+    that got a slot, plus the time so far while it waits again, never its time on a worker."""
+    d, clock = mk(n_workers=2, slots=1)
+    clock.t = 1.0
+    blockers = [d.submit(t(i)) for i in range(2)]
+    retried = t(9)
+    assert d.submit(retried) is None
+    clock.t = 3.0
+    (_, lease), = blockers[0].release()
+    assert lease.ticket is retried and retried.queue_wait_s(clock.t) == 2.0
+    clock.t = 3.5  # its worker fails it before any byte: it is retried
+    assert retried.queue_wait_s(clock.t) == 2.0
+    lease.release()
+    assert d.submit(t(10)) is not None  # takes the freed slot: the retry has to wait
+    assert d.submit(retried) is None
+    clock.t = 4.0
+    assert retried.queue_wait_s(clock.t) == 2.5
+    clock.t = 4.5
+    (_, again), = blockers[1].release()
+    assert again.ticket is retried and retried.queue_wait_s(9.0) == 3.0
+
+
 def test_cancel_removes_from_queue():
     d, _ = mk(n_workers=1, slots=1)
     d.submit(t(1))
