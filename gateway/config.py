@@ -473,7 +473,9 @@ class LlamaServerConfig(_Section):
     """Seconds a liveness probe may take; 2 failures in a row mark the worker wedged."""
     wedge_after_stalls: PositiveInt = 2
     """Stalled requests (watchdog timeouts) in a row, with no token in between, after which a
-    worker is treated as wedged and restarted even if it still answers probes."""
+    worker is checked (``workers.stall_check``: main loop answers, a slot free or moving, within
+    ``liveness_timeout_s``) and, if it fails, treated as wedged and restarted even though it
+    still answers the ``/slots`` probes."""
     crash_loop_restarts: PositiveInt = 5
     """Restarts within ``crash_loop_window_s`` that mark a worker ``failed`` (crash loop)."""
     crash_loop_window_s: PositiveFloat = 120.0

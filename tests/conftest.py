@@ -7,6 +7,7 @@ free port, waits until every worker is ready and yields a ``GatewayProc``. Teard
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -51,6 +52,22 @@ def llama_server_pids() -> set[int]:
             if exe.endswith("llama-server"):
                 out.add(int(d.name))
     return out
+
+
+async def wait_health(session, url: str, tries: int = 300) -> None:
+    """Wait (0.1 s a try) until ``url``'s ``/health`` answers 200, e.g. a llama-server a test
+    started itself; ``session`` is an aiohttp ClientSession."""
+    import aiohttp
+
+    for _ in range(tries):
+        try:
+            async with session.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{url}/health not 200 after {tries} tries")
 
 
 def worker_key(pid: int) -> str:

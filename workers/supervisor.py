@@ -12,7 +12,11 @@ Liveness beyond ``/health`` (field case 11: ``/health`` ok, ``/slots`` hangs, SI
 ignored): a ready worker's ``/slots`` is probed every ``liveness_interval_s`` with a
 ``liveness_timeout_s`` timeout, 2 failures in a row mark it wedged; the gateway's watchdog
 reports stalled requests (``note_stall``), and ``wedge_after_stalls`` of them in a row with no
-token in between (``note_progress``) mark it wedged too. Crash loop: ``crash_loop_restarts``
+token in between (``note_progress``) make the supervisor check the worker itself
+(``workers.stall_check.check_worker``: its main loop answers and its slots are free or moving,
+within ``liveness_timeout_s``): a worker that fails is wedged; one that passes is kept, the
+stalls are taken as the requests' own (``worker.stall_not_wedged``) and the streak starts
+again from 0. Crash loop: ``crash_loop_restarts``
 restarts within ``crash_loop_window_s`` → ``failed`` for ``failed_retry_s``, then retried
 (``retry_at`` says when, in ``time.monotonic`` seconds).
 
@@ -32,6 +36,7 @@ import aiohttp
 
 from gateway.logs import get_logger
 from workers.process import LaunchSpec, WorkerProcess
+from workers.stall_check import check_worker
 
 ReadyCallback = Callable[["WorkerSupervisor"], None]
 DownCallback = Callable[["WorkerSupervisor", str], None]
@@ -83,8 +88,7 @@ class WorkerSupervisor:
         self.crash_loops = 0
         self.stalls = 0  # stalled requests in a row (watchdog)
         self._restart_times: collections.deque[float] = collections.deque()
-        self._wedged: asyncio.Event = asyncio.Event()
-        self._wedged_reason = ""
+        self._stall_check: asyncio.Event = asyncio.Event()  # a stall streak wants a check
         self.state = "stopped"
         self.detail = ""
         self.retry_at: float | None = None  # time.monotonic() of the next start while failed
@@ -211,39 +215,39 @@ class WorkerSupervisor:
         return len(self._restart_times) >= self.crash_loop_restarts
 
     def note_stall(self) -> None:
-        """A request on this worker stalled (watchdog). Enough in a row → wedged."""
+        """A request on this worker stalled (watchdog). ``wedge_after_stalls`` in a row → the
+        worker is checked (module doc) and restarted only if the check fails."""
         self.stalls += 1
         if self.ready and self.stalls >= self.wedge_after_stalls:
-            self.declare_wedged(f"{self.stalls} requests in a row stalled")
+            self._stall_check.set()
 
     def note_progress(self) -> None:
         """A request on this worker received data: it is alive."""
         self.stalls = 0
 
-    def declare_wedged(self, reason: str) -> None:
-        """Take the worker out of rotation and restart it (no-op unless ready)."""
-        if self.ready and not self._wedged.is_set():
-            self._wedged_reason = reason
-            self._wedged.set()
-
     async def _watch_ready(self, proc: WorkerProcess, http: aiohttp.ClientSession,
                            exit_task: asyncio.Task) -> str | None:
         """Wait while the worker is ready. Returns None when it exited (or stop() was called),
-        or why it is considered wedged (liveness probes failed, requests stalled)."""
-        self._wedged.clear()
+        or why it is considered wedged (liveness probes failed, requests stalled and the
+        worker failed its check)."""
+        self._stall_check.clear()
         self.stalls = 0
         failures = 0
         headers = {"Authorization": f"Bearer {proc.api_key}"}
-        wedge_wait = asyncio.create_task(self._wedged.wait())
+        check_wait = asyncio.create_task(self._stall_check.wait())
         try:
             while True:
-                done, _ = await asyncio.wait({exit_task, wedge_wait},
+                done, _ = await asyncio.wait({exit_task, check_wait},
                                              timeout=self.liveness_interval_s,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if exit_task in done or self._stopping:
                     return None
-                if wedge_wait in done:
-                    return self._wedged_reason
+                if check_wait in done:
+                    wedged = await self._check_after_stalls(proc, http, headers, exit_task)
+                    if wedged is not None or exit_task.done() or self._stopping:
+                        return wedged
+                    check_wait = asyncio.create_task(self._stall_check.wait())
+                    continue
                 probe = await self._probe_slots(proc, http, headers)
                 if probe is None:
                     failures = 0
@@ -255,7 +259,26 @@ class WorkerSupervisor:
                 if failures >= 2:
                     return f"/slots {probe} ({failures} times in a row)"
         finally:
-            wedge_wait.cancel()
+            check_wait.cancel()
+
+    async def _check_after_stalls(self, proc: WorkerProcess, http: aiohttp.ClientSession,
+                                  headers: dict, exit_task: asyncio.Task) -> str | None:
+        """A stall streak reached ``wedge_after_stalls``: check the worker (module doc). Returns
+        the wedge reason when it failed; when it passed, logs ``worker.stall_not_wedged`` and
+        starts the streak again (stalls noted during the check are covered by it)."""
+        streak = self.stalls
+        t0 = time.monotonic()
+        failed = await check_worker(http, proc.url, headers, self.liveness_timeout_s)
+        took_ms = round((time.monotonic() - t0) * 1000, 1)
+        if exit_task.done() or self._stopping:
+            return None
+        if failed is not None:
+            return f"{streak} requests in a row stalled and {failed}"
+        self.log.warning("worker.stall_not_wedged", stalls=streak, check_ms=took_ms,
+                         pid=proc.pid)
+        self.stalls = 0
+        self._stall_check.clear()
+        return None
 
     async def _probe_slots(self, proc: WorkerProcess, http: aiohttp.ClientSession,
                            headers: dict) -> str | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -36,6 +38,17 @@ def wait_for(pred, timeout: float, what: str):
             return v
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def log_events(path) -> list[dict]:
+    """The gateway's JSON log lines, parsed (other lines skipped)."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def test_silent_worker_requests_move_elsewhere(tmp_path, gateway_factory):
@@ -70,6 +83,9 @@ def test_silent_worker_requests_move_elsewhere(tmp_path, gateway_factory):
                                and x["state"] == "ready" and x["pid"] != fake["pid"]), None),
                  60, "silent worker restarted")
     assert w["wedges"] >= 1 and not is_fake(w["pid"])
+    # restarted because it failed the stall check (its slot never frees), not for the stalls alone
+    wedged = [e for e in log_events(gw.log_path) if e.get("event") == "worker.wedged"]
+    assert wedged and "every slot stayed busy with no progress" in wedged[0]["reason"], wedged
     assert not pid_alive(fake["pid"])
     st = gw.status()
     assert st["queue"]["depth"] == 0 and all(x["busy"] == 0 for x in st["workers"])
@@ -192,6 +208,91 @@ def test_non_streamed_v1_on_a_silent_worker_is_retried_or_failed_like_a_stream(t
                                                      "max_tokens": 4}, timeout=60)
     assert r.status_code == 504 and "sent nothing within 1 s" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 10  # 3 tries of 1 s, not timeouts.request_s (3600 s)
+
+
+def test_requests_that_stall_on_a_working_worker_do_not_restart_it(tmp_path, gateway_factory):
+    """A request that makes a worker go silent for itself alone (the FAKE in mode ``marker``:
+    silent for completions holding ``STALL-ME``, healthy otherwise) stalls on every try and
+    ends with a 504 JSON in bounded time (3 tries of ``first_byte_s``). Each streak of 2
+    stalls makes the gateway check the worker; it passes (its main loop answers, its slots
+    free), so it is not restarted: same pid, no wedge, other requests answered, and one
+    ``worker.stall_not_wedged`` event per streak. Before, the second stall restarted it."""
+    binary = fake_binary(tmp_path, "marker", first_only=False)
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "wedge_after_stalls": 2,
+                                                  "liveness_timeout_s": 2},
+                      timeouts={"first_byte_s": 1.0})
+    cfg["models"][0].update(cpu=1, slots=2)
+    gw = gateway_factory(cfg)
+    (w0,) = gw.workers()
+    assert is_fake(w0["pid"])
+    ok = {"model": "demo", "prompt": "hello", "raw": True, "stream": False,
+          "options": {"num_predict": 5}}
+
+    def answered():
+        r = httpx.post(gw.url + "/api/generate", json=ok, timeout=30)
+        assert r.status_code == 200 and r.json()["done_reason"] == "length", r.text
+        assert r.json()["eval_count"] == 5
+
+    stalled = f"worker {w0['id']} sent nothing within 1 s"
+    answered()
+    t0 = time.monotonic()
+    r = httpx.post(gw.url + "/api/generate", json={**ok, "prompt": "STALL-ME"}, timeout=60)
+    assert (r.status_code, r.json()) == (504, {"error": stalled}), r.text
+    assert time.monotonic() - t0 < 10  # 3 tries of 1 s, not timeouts.request_s (3600 s)
+    answered()
+    t0 = time.monotonic()
+    with httpx.stream("POST", gw.url + "/api/generate", timeout=60,
+                      json={**ok, "prompt": "STALL-ME again", "stream": True}) as r:
+        assert (r.status_code, json.loads(r.read())) == (504, {"error": stalled})
+    assert time.monotonic() - t0 < 10
+    answered()
+    time.sleep(0.3)  # the log is written by the gateway process
+    (w,) = gw.workers()
+    assert (w["pid"], w["state"], w["wedges"], w["restarts"]) == (w0["pid"], "ready", 0, 0), w
+    events = log_events(gw.log_path)
+    kept = [e for e in events if e.get("event") == "worker.stall_not_wedged"]
+    # 6 stalls: at least one streak per stalling request (an answer that ends within one
+    # watchdog tick is not seen as progress, so a streak may span the answers between them)
+    assert len(kept) in (2, 3), kept
+    assert all(e["worker"] == w0["id"] and e["gpu"] == "cpu" and e["stalls"] == 2 for e in kept)
+    assert not [e for e in events if e.get("event") == "worker.wedged"]
+
+
+def test_a_frozen_worker_is_still_restarted_when_requests_stall_on_it(tmp_path, gateway_factory):
+    """A real llama-server frozen with SIGSTOP: requests sent to it stall and are retried on
+    the other worker; after 2 stalls the check finds its main loop silent and it is restarted
+    (the periodic /slots probe is slowed down here, so the stall check is what catches it)."""
+    cfg = base_config(free_port(), llama_server={
+        "threads": 1, "liveness_interval_s": 300, "liveness_timeout_s": 2, "stop_grace_s": 1},
+        timeouts={"first_byte_s": 1.0}, scheduler={"prefix_affinity": False})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    victim = gw.workers()[0]
+    body = {"model": "demo", "prompt": "hi", "raw": True, "stream": False,
+            "options": {"num_predict": 4}}
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        for wave in range(8):  # two at a time: one of each pair goes to the frozen worker
+            with cf.ThreadPoolExecutor(2) as ex:
+                rs = list(ex.map(lambda i: httpx.post(gw.url + "/api/generate", timeout=60,
+                                                      json={**body, "prompt": f"{wave} {i}"}),
+                                 range(2)))
+            assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+            if '"worker.wedged"' in gw.log_path.read_text():
+                break
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == victim["id"]
+                               and x["state"] == "ready" and x["pid"] != victim["pid"]), None),
+                 60, "frozen worker restarted")
+    assert w["wedges"] == 1
+    wedged = [e for e in log_events(gw.log_path) if e.get("event") == "worker.wedged"]
+    assert len(wedged) == 1 and wedged[0]["worker"] == victim["id"], wedged
+    assert wedged[0]["reason"] == ("2 requests in a row stalled and its main loop "
+                                   "(GET /lora-adapters) did not answer within 2 s")
 
 
 def test_wedged_worker_streams_end_with_error_and_it_restarts(tmp_path, gateway_factory):

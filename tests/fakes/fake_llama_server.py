@@ -4,11 +4,21 @@ Accepts llama-server's command line (``--port``, ``-np``, ``-c``, ``--alias`` â€
 per-start key from ``LLAMA_API_KEY`` like the real server, and misbehaves as ``--fake-mode``
 says:
 
-* ``silent``   (field case 10): ``/health`` 200, ``/slots`` fine, completions are accepted and
-  never answered (no byte, ever).
+* ``silent``   (field case 10): ``/health`` 200, ``/lora-adapters`` 200 (its main loop goes
+  round), completions are accepted and never answered (no byte, ever): the first ones take the
+  slots and never give them back, the rest wait for a slot forever. ``/slots`` shows that (every
+  slot busy, nothing decoded), as llama-server's shows a slot that never frees.
 * ``wedge``    (field case 11): completions stream 3 chunks, then hang; from the first
   completion on, ``/slots`` hangs too; SIGTERM is ignored (only SIGKILL ends it).
 * ``crash``: becomes ready, then exits with status 3 after ``--fake-crash-after`` seconds.
+* ``marker``: a request-specific silence on an otherwise healthy worker. A completion whose
+  body contains ``STALL_MARKER`` (``STALL-ME``) takes a slot and sends nothing until its client
+  leaves, then frees the slot (as llama-server frees a slot about 0.5 s after its client left);
+  every other ``/completion`` (what ``/api/generate`` with ``raw`` uses) streams ``n_predict``
+  tokens (at most 64) and ends like llama-server's (``stop_type`` ``limit``, ``timings``); other
+  completion routes answer 501. ``/health``, ``/slots`` (a new ``id_task`` per
+  request, ``n_decoded`` counting), ``/metrics``, ``/props`` and ``/lora-adapters`` answer like
+  a healthy llama-server's.
 
 Run: ``python fake_llama_server.py --fake-mode silent --port 8080 -np 1 -c 2048``.
 """
@@ -27,10 +37,44 @@ from aiohttp import web
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_common import health, key_auth  # noqa: E402
 
+STALL_MARKER = "STALL-ME"
+
+
+class FakeSlots:
+    """The fake's slots, shown as llama-server's ``/slots`` shows them (``is_processing``,
+    ``id_task``, ``n_prompt_tokens_processed``, ``next_token[0].n_decoded``)."""
+
+    def __init__(self, n: int, n_ctx: int):
+        self.n_ctx = n_ctx
+        self.task: list[int | None] = [None] * n
+        self.decoded = [0] * n
+        self.last_task = 0
+        self.freed = asyncio.Condition()
+
+    async def take(self) -> int:
+        """A free slot for a new task; waits (llama-server defers the task) while none is."""
+        async with self.freed:
+            await self.freed.wait_for(lambda: None in self.task)
+            i = self.task.index(None)
+            self.last_task += 1
+            self.task[i], self.decoded[i] = self.last_task, 0
+            return i
+
+    async def release(self, i: int) -> None:
+        async with self.freed:
+            self.task[i] = None
+            self.freed.notify_all()
+
+    def json(self) -> list[dict]:
+        return [{"id": i, "n_ctx": self.n_ctx, "is_processing": t is not None, "id_task": t,
+                 "n_prompt_tokens_processed": 4 if t is not None else 0,
+                 "next_token": [{"has_next_token": t is not None, "n_decoded": self.decoded[i]}]}
+                for i, t in enumerate(self.task)]
+
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--fake-mode", choices=["silent", "wedge", "crash"], required=True)
+    p.add_argument("--fake-mode", choices=["silent", "wedge", "crash", "marker"], required=True)
     p.add_argument("--fake-crash-after", type=float, default=0.5)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -50,16 +94,33 @@ def main(argv: list[str]) -> None:
     if args.fake_mode == "wedge":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
+    fake_slots = FakeSlots(args.np, args.c // args.np)
+
     async def slots(request):
         if wedged.is_set():
             await forever.wait()
-        return web.json_response([{"id": i, "n_ctx": args.c // args.np, "is_processing": False}
-                                  for i in range(args.np)])
+        return web.json_response(fake_slots.json())
+
+    async def lora_adapters(request):  # llama-server runs it as a task of its main loop
+        return web.json_response([])
+
+    async def metrics(request):
+        busy = sum(t is not None for t in fake_slots.task)
+        return web.Response(text=f"llamacpp:requests_processing {busy}\n"
+                                 "llamacpp:requests_deferred 0\n")
+
+    async def props(request):
+        return web.json_response({"chat_template": "{{ messages }}",
+                                  "modalities": {"vision": False},
+                                  "default_generation_settings": {"n_ctx": fake_slots.n_ctx}})
 
     async def completion(request):
-        await request.read()
+        body = await request.read()
         if args.fake_mode == "silent":
+            await fake_slots.take()  # never given back
             await forever.wait()
+        if args.fake_mode == "marker":
+            return await answer_or_stall(request, body)
         wedged.set()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -71,8 +132,39 @@ def main(argv: list[str]) -> None:
         await forever.wait()
         return resp
 
+    async def answer_or_stall(request, body: bytes):
+        i = await fake_slots.take()
+        try:
+            if STALL_MARKER.encode() in body:
+                while request.transport is not None and not request.transport.is_closing():
+                    await asyncio.sleep(0.05)
+                return web.Response(status=499)  # nobody reads it: the client left
+            if request.path != "/completion":
+                return web.json_response({"error": {"code": 501, "type": "not_supported_error",
+                                                    "message": "FAKE: only /completion answers"}},
+                                         status=501)
+            n = max(1, min(64, int(json.loads(body).get("n_predict") or 8)))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for k in range(1, n + 1):
+                fake_slots.decoded[i] = k
+                ev = {"index": 0, "content": " tok", "tokens": [42], "stop": False, "id_slot": i,
+                      "tokens_predicted": k, "tokens_evaluated": 4}
+                await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            fin = {"content": "", "stop": True, "stop_type": "limit", "id_slot": i,
+                   "tokens_predicted": n, "tokens_evaluated": 4,
+                   "timings": {"cache_n": 0, "prompt_n": 4, "prompt_ms": 0.1, "predicted_n": n,
+                               "predicted_ms": n * 0.1}}
+            await resp.write(b"data: " + json.dumps(fin).encode() + b"\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            await fake_slots.release(i)
+
     app = web.Application(middlewares=[key_auth(key)])
     app.add_routes([web.get("/health", health), web.get("/slots", slots),
+                    web.get("/lora-adapters", lora_adapters), web.get("/metrics", metrics),
+                    web.get("/props", props),
                     web.post("/completion", completion),
                     web.post("/v1/chat/completions", completion),
                     web.post("/v1/completions", completion)])

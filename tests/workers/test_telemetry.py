@@ -113,7 +113,7 @@ def test_gpu_stats_with_fake_nvml(monkeypatch):
 async def test_poller_against_real_worker(tmp_path):
     """A real llama-server with --api-key: the poller authenticates, parses, and a request in
     flight shows as one processing slot with KV tokens; a wrong key fails without raising."""
-    from tests.conftest import free_port
+    from tests.conftest import free_port, wait_health
     from workers.demo_model import ensure_demo_model
     from workers.provision import ensure_llama_server
 
@@ -125,14 +125,7 @@ async def test_poller_against_real_worker(tmp_path):
     ep = types.SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key="k1")
     try:
         async with aiohttp.ClientSession() as s:
-            for _ in range(100):
-                try:
-                    async with s.get(ep.url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
+            await wait_health(s, ep.url, tries=100)
             samples = []
             p = WorkerPoller("w", lambda: ep, samples.append, interval_s=0.05)
             first = await p.poll_once(s)
