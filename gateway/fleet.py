@@ -3,7 +3,8 @@
 Readiness flows one way: supervisor → ``Admission.worker_ready`` → dispatcher. The scheduler
 never calls a worker; the upstream client asks ``endpoint_of`` for a ready worker's address.
 Telemetry flows the same way: one ``WorkerPoller`` per worker (``/slots``, ``/metrics``, NVML
-every ``scheduler.poll_interval_s``) → ``Admission.worker_load`` → dispatcher scores.
+every ``scheduler.poll_interval_s``) → ``Admission.worker_load`` → dispatcher scores; the
+``/metrics`` generation counters → ``SpeedBoard`` (``gateway.speed``) → ``Dispatcher.set_speed``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
 from gateway.scheduling import make_scorer
 from gateway.scheduling.scorer import keep_prefix_index
 from gateway.sizing import SizeEstimate, estimate
+from gateway.speed import SpeedBoard
 from gateway.upstream import Endpoint
 from workers.gpu import read_gpu_stats
 from workers.process import QUIET_LOG_VERBOSITY, LaunchSpec, remove_state_dir
@@ -73,6 +75,7 @@ class Fleet:
         self.upstream = None  # set by the gateway: streams of a worker that goes down are ended
         self.pollers: dict[str, WorkerPoller] = {}
         self.bytes_per_token: dict[str, float] = {}
+        self.speeds = SpeedBoard()  # measured decode speed per worker process
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self.apply_scheduler(config.scheduler)
@@ -189,6 +192,7 @@ class Fleet:
         self.supervisors.pop(worker_id, None)
         self.plans.pop(worker_id, None)
         self.admission.dispatcher.remove_worker(worker_id)
+        self._apply_speeds(self.speeds.forget(worker_id))
         log.info("worker.removed", worker=worker_id)
 
     def add_worker(self, plan: WorkerPlan) -> WorkerSupervisor:
@@ -215,6 +219,7 @@ class Fleet:
         return sup
 
     def _on_ready(self, sup: WorkerSupervisor) -> None:
+        self._apply_speeds(self.speeds.forget(sup.id))  # a new process: measured afresh
         actual = getattr(sup, "actual_slots", sup.spec.slots)
         self.admission.worker_slots(sup.id, actual)
         if sup.slots_n_ctx:
@@ -229,6 +234,7 @@ class Fleet:
     def _on_down(self, sup: WorkerSupervisor, reason: str) -> None:
         log.warning("worker.down", worker=sup.id, gpu=sup.spec.gpu_label, reason=reason)
         self.admission.worker_ready(sup.id, False)
+        self._apply_speeds(self.speeds.forget(sup.id))
         if self.upstream is not None:
             self.upstream.abort_worker(sup.id, reason)
 
@@ -258,6 +264,24 @@ class Fleet:
 
     def _on_sample(self, worker_id: str, sample: Sample) -> None:
         self.admission.worker_load(worker_id, sample.load)
+        plan = self.plans.get(worker_id)
+        if plan is not None:
+            self._apply_speeds(self.speeds.observe(worker_id, plan.model, sample.metrics))
+
+    def _apply_speeds(self, speeds: dict[str, float]) -> None:
+        """Give the dispatcher the relative speeds of ``speeds`` (worker id → speed; ids it no
+        longer has are skipped). A change of 10 % or more is logged (``worker.speed``)."""
+        d = self.admission.dispatcher
+        for wid, speed in speeds.items():
+            view = d.workers.get(wid)
+            if view is None or view.speed == speed:
+                continue
+            if abs(speed / view.speed - 1.0) >= 0.1:
+                rate = self.speeds.rate(wid)
+                log.info("worker.speed", worker=wid, gpu=self.gpu_of(wid), speed=round(speed, 3),
+                         previous=round(view.speed, 3),
+                         sequence_tokens_per_s=round(rate, 1) if rate is not None else None)
+            d.set_speed(wid, speed)
 
     async def _measure_tokenizer(self, sup: WorkerSupervisor) -> None:
         """Bytes per token of this model's tokenizer, from the worker's ``/tokenize``."""

@@ -8,8 +8,9 @@ Two kinds of metric (names listed in the README, "Prometheus metrics"):
   (``unparsed``, counted by ``gateway.logs.ServerLogger``: no gateway code sees them);
 * live metrics, read at scrape time by :class:`LiveCollector` from the gateway's own state:
   queue depth by priority, in-flight requests, per worker slots busy/total, KV fill,
-  deferred requests, tokens/s, restarts and state, and per GPU utilisation, memory,
-  temperature and power through NVML (``workers.gpu.read_gpu_stats``; nothing without a GPU).
+  deferred requests, tokens/s, relative speed and per-sequence decode rate (``gateway.speed``),
+  restarts and state, and per GPU utilisation, memory, temperature and power through NVML
+  (``workers.gpu.read_gpu_stats``; nothing without a GPU).
 
 Handlers report what only they know through the aiohttp request mapping, with
 :func:`note_lease` (worker, model, priority, queue wait) and :func:`note_first_byte` (TTFT),
@@ -200,6 +201,12 @@ class LiveCollector:
                                      "llama-server llamacpp:requests_deferred", labels=labels)
         tps = GaugeMetricFamily(f"{PREFIX}_worker_tokens_per_second",
                                 "Generated tokens/s over the last poll interval", labels=labels)
+        speed = GaugeMetricFamily(f"{PREFIX}_worker_speed_ratio",
+                                  "Relative decode speed the scheduler uses (1 = the model's "
+                                  "reference worker, or unmeasured)", labels=labels)
+        seq_tps = GaugeMetricFamily(f"{PREFIX}_worker_sequence_tokens_per_second",
+                                    "Measured decode rate of one sequence (absent while unmeasured)",
+                                    labels=labels)
         restarts = CounterMetricFamily(f"{PREFIX}_worker_restarts",
                                        "Worker restarts after a crash or failed start", labels=labels)
         up = GaugeMetricFamily(f"{PREFIX}_worker_up", "1 when the worker is ready and in rotation",
@@ -221,11 +228,15 @@ class LiveCollector:
                 deferred.add_metric(lv, ws.deferred)
             if ws.tokens_per_s is not None:
                 tps.add_metric(lv, ws.tokens_per_s)
+            speed.add_metric(lv, view.speed if view else 1.0)
+            rate = gw.fleet.speeds.rate(sup.id)
+            if rate is not None:
+                seq_tps.add_metric(lv, rate)
             restarts.add_metric(lv, sup.restarts)
             up.add_metric(lv, 1 if st == "ready" else 0)
             for s in WORKER_STATES:
                 state.add_metric(lv + [s], 1 if st == s else 0)
-        yield from (busy, total, prefill, kv, deferred, tps, restarts, up, state)
+        yield from (busy, total, prefill, kv, deferred, tps, speed, seq_tps, restarts, up, state)
         gl = ["gpu", "name"]
         util = GaugeMetricFamily(f"{PREFIX}_gpu_utilization_percent", "NVML GPU utilisation (%)", labels=gl)
         mem = GaugeMetricFamily(f"{PREFIX}_gpu_memory_used_bytes", "NVML memory used (bytes)", labels=gl)

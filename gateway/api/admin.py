@@ -4,13 +4,17 @@ Read-only (open without ``auth.keys``; with keys, the admin token or an ``admin:
 plain key gets 403; ``/metrics`` stays open with ``auth.metrics_public``):
 
 * ``GET /gateway/api/workers`` → ``{"workers": [{id, model, state, detail, draining, pid, port,
-  gpus, slots, busy, restarts, crashes, wedges, crash_loops, n_ctx_slot, kv_fill, deferred, tokens_per_s, gpu}],
+  gpus, slots, busy, prefill_backlog_tokens, restarts, crashes, wedges, crash_loops, n_ctx_slot,
+  kv_fill, deferred, tokens_per_s, speed, sequence_tokens_per_s, gpu}],
   "queue": {"depth", "max_pending", "by_priority": {prio: n}}, "in_flight" (inference requests
   queued or running; this poll and other status/admin requests are not counted), "shutting_down",
   "gpus": [{index, name, util_percent, memory_used_bytes, memory_total_bytes, temperature_c,
   power_w}], "recent_errors": [{time, source, message}]}``. ``kv_fill`` (0..1),
-  ``deferred`` and ``tokens_per_s`` are null while unknown; ``gpu`` is the first GPU's sample
-  or null. Worker keys are never shown.
+  ``deferred`` and ``tokens_per_s`` are null while unknown; ``speed`` is the relative decode
+  speed the scheduler uses (1.0 = its model's reference worker, or unmeasured) and
+  ``sequence_tokens_per_s`` the measured per-sequence decode rate it comes from (null while
+  unmeasured; ``gateway.speed``); ``gpu`` is the first GPU's sample or null. Worker keys are
+  never shown.
 * ``GET /metrics``: Prometheus text (gateway/metrics.py).
 
 Admin (``Authorization: Bearer <admin.token>``, compared in constant time, or with
@@ -49,6 +53,10 @@ def _json(body, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
+def _round(v: float | None, digits: int) -> float | None:
+    return round(v, digits) if v is not None else None
+
+
 def snapshot(gw) -> dict:
     """The live state shown by ``/gateway/api/workers``, ``llama-gateway status`` and the page."""
     gpus = read_gpu_stats()
@@ -68,6 +76,8 @@ def snapshot(gw) -> dict:
             "restarts": sup.restarts, "n_ctx_slot": sup.slots_n_ctx,
             "kv_fill": ws.kv_fill, "deferred": ws.deferred,
             "tokens_per_s": round(ws.tokens_per_s, 1) if ws.tokens_per_s is not None else None,
+            "speed": round(view.speed, 3) if view else 1.0,
+            "sequence_tokens_per_s": _round(gw.fleet.speeds.rate(sup.id), 1),
             "gpu": g.__dict__ if g else None,
             "crashes": sup.crashes, "wedges": sup.wedges, "crash_loops": sup.crash_loops,
         })

@@ -134,7 +134,8 @@ class LeastLoaded:
 
     - occupancy / slots: fraction of slots in use after placing the ticket (1-1-1-1 before
       2-2-2-2 on equal workers; a ticket of ``n`` choices takes ``n``);
-      dividing by ``speed`` (measured relative throughput) sends more to faster GPUs;
+      dividing by ``speed`` (measured relative decode speed, ``gateway.speed``) sends more to
+      faster GPUs;
     - kv_fill_after: fraction of the worker's KV cache in use after adding the ticket's estimate;
     - prefill_backlog: estimated prompt tokens of the worker's requests that have not had their
       first token yet (``WorkerView.prefill_backlog``), in per-slot contexts (``n_ctx``; the

@@ -62,7 +62,8 @@ class WorkerView:
         kv_capacity: KV cells of the whole worker (tokens, llama-server ``-c``); 0 = unknown.
         cache_tokens: prompt tokens the worker keeps cached, in its slots and its host prompt
             cache (``gateway.prompt_cache.worker_cache_tokens``); 0 = unknown.
-        speed: relative throughput (1.0 = fleet reference); mixed GPU models differ.
+        speed: relative decode speed (1.0 = the model's reference worker, or unmeasured);
+            mixed GPU models differ. The gateway measures it (``gateway.speed``).
     """
 
     id: str

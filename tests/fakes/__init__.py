@@ -29,6 +29,20 @@ def fake_binary(tmp_path: Path, mode: str, *, first_only: bool = True, real: str
     return script
 
 
+def paced_binary(tmp_path: Path, first_tps: float, other_tps: float) -> Path:
+    """A llama-server stand-in script whose every spawn is the FAKE ``paced_llama_server.py``:
+    the first one generates at ``first_tps`` tokens/s per sequence, every later one (the other
+    workers, restarts) at ``other_tps``."""
+    paced = Path(__file__).with_name("paced_llama_server.py")
+    lock = tmp_path / "fake-paced-first.lock"
+    run = f"exec '{sys.executable}' '{paced}' --fake-tps"
+    script = tmp_path / "fake-llama-server-paced"
+    script.write_text(f"#!/bin/sh\nif mkdir '{lock}' 2>/dev/null; then\n  {run} {first_tps} \"$@\"\n"
+                      f"fi\n{run} {other_tps} \"$@\"\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
 def is_fake(pid: int) -> bool:
     """True when the process is the FAKE server (its command line names the fake script)."""
     try:
