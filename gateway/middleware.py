@@ -100,12 +100,13 @@ def finished(request: web.Request, gw, status: int) -> None:
     (``client_left: true`` with status 499 when the client disconnected first)."""
     ms = (time.monotonic_ns() - request["t0_ns"]) / 1e6
     if gw is not None:
-        gw.metrics.observe(request, status, ms / 1000)
         ticket = request.get("ticket")
         if request.get("queue_wait_ms") is None and ticket is not None and ticket.enqueued_at:
             # admitted, never served (client left while queued, queue timeout, its attempts
-            # failed): the time it queued so far
+            # failed), or an embedding request (its first input's ticket, the request's
+            # admission): the time it queued, so far; counted in the metric too
             request["queue_wait_ms"] = round(ticket.queue_wait_s(gw.dispatcher.clock()) * 1000, 3)
+        gw.metrics.observe(request, status, ms / 1000)
     extra = {k: request[k] for k in _ACCESS_FIELDS if request.get(k) is not None}
     if status == CLIENT_CLOSED:
         extra["client_left"] = True

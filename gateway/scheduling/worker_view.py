@@ -182,8 +182,17 @@ class WorkerView:
 
     @property
     def kv_used(self) -> int:
-        """KV tokens considered in use: the larger of own reservations and the polled fill."""
-        return max(self.kv_reserved, self.load.kv_tokens)
+        """KV tokens considered in use: the larger of own reservations and the polled fill.
+
+        The polled fill is left out while a lease was released after that poll: the poll is up
+        to one interval old and still counts the released requests' tokens (as ``phantom``
+        leaves out their slots). Counting them refused requests for want of KV headroom on a
+        worker whose slots had all just freed (a fresh tester's burst of long requests got
+        503 "maximum pending requests exceeded" with every slot free)."""
+        polled = self.load.kv_tokens
+        if polled and self.releases and self.releases[-1] >= self.load.at:
+            polled = 0
+        return max(self.kv_reserved, polled)
 
     @property
     def kv_free(self) -> int | None:

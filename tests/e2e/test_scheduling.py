@@ -133,7 +133,16 @@ def _post_in_thread(url, body, timeout, headers=None):
     return th, out
 
 
+def _queue_waits_counted(gw) -> float:
+    """``llama_gateway_queue_wait_seconds_count`` of demo:latest from the gateway's /metrics."""
+    for ln in httpx.get(gw.url + "/metrics", timeout=5).text.splitlines():
+        if ln.startswith('llama_gateway_queue_wait_seconds_count{model="demo:latest"}'):
+            return float(ln.split()[-1])
+    return 0.0
+
+
 def test_queued_client_disconnect_leaves_queue_at_once(gw1):
+    counted = _queue_waits_counted(gw1)
     blocker = Stream(gw1)
     blocker.first()
     th, out = _post_in_thread(gw1.url + "/api/generate", {**LONG, "stream": False}, timeout=0.8,
@@ -150,6 +159,8 @@ def test_queued_client_disconnect_leaves_queue_at_once(gw1):
                                for e in [json.loads(ln)]], 2.0)
     assert done and done[0]["status"] == 499 and done[0]["priority"] == 3, done
     assert 300 <= done[0]["queue_wait_ms"] <= 1500, done
+    # and the wait is in the queue-wait histogram (a fresh tester found it logged, not counted)
+    assert _queue_waits_counted(gw1) == counted + 1  # the blocker is still running
     blocker.kill()
     w = gw1.workers()[0]
     assert wait_until(lambda: not any(s.get("is_processing") for s in gw1.slots(w)))

@@ -2,7 +2,7 @@
 ``hold`` / ``drop`` / ``prefilled`` and always equal the sums over its live leases; the lease
 (``SlotLease``) is what makes a second release or first token count nothing."""
 
-from gateway.scheduling import Dispatcher, Ticket
+from gateway.scheduling import Dispatcher, Ticket, WorkerLoad
 
 
 def test_counters_follow_leases_through_double_release_and_first_token():
@@ -41,3 +41,26 @@ def test_kv_reserved_is_recounted_when_the_context_is_read_back():
     assert w.kv_reserved == 1200
     big.release()  # gives back what it holds under the cap in force now
     assert w.kv_reserved == 0
+
+
+def test_polled_kv_fill_of_released_requests_does_not_block_new_ones():
+    """Found by a fresh tester: right after 4 long requests ended, the last poll (taken while
+    they ran) still showed their KV fill, so a new burst found no headroom and was refused or
+    queued with every slot free. The polled fill counts again from the next poll on."""
+    now = [0.0]
+    d = Dispatcher(lambda: now[0], max_pending=0)
+    d.add_worker("w0", "m", 4, n_ctx=2048, kv_capacity=8192)
+    d.set_ready("w0", True)
+    leases = [d.submit(Ticket(f"r{i}", "m", est_tokens=1950)) for i in range(4)]
+    now[0] = 1.0
+    d.update_load("w0", WorkerLoad(at=1.0, processing=4, kv_tokens=7800))
+    now[0] = 1.1
+    for lease in leases:
+        lease.release()
+    w = d.workers["w0"]
+    assert w.kv_used == 0 and w.free == 4
+    again = [d.submit(Ticket(f"s{i}", "m", est_tokens=1950)) for i in range(4)]
+    assert all(lease is not None for lease in again)  # max_pending 0: queued would be refused
+    now[0] = 1.3  # a later poll counts again (e.g. requests the gateway did not send)
+    d.update_load("w0", WorkerLoad(at=1.3, processing=4, kv_tokens=8000))
+    assert w.kv_used == 8000
