@@ -17,6 +17,7 @@ from gateway.api import ollama_manage as ollama_manage_api
 from gateway.api import ollama as ollama_api
 from gateway.api import openai as openai_api
 from gateway.api import status_page
+from gateway.body_errors import GatewayAppRunner
 from gateway.config import ConfigError, GatewayConfig, ModelConfig, PlanDiff, WorkerPlan, diff_plans, plan_workers
 from gateway.drain import graceful_stop
 from gateway.expect import with_expect
@@ -211,7 +212,9 @@ class Gateway:
         # auto_decompress=False: gateway/limits.py read_body decodes bodies itself, bounded by
         # the current limits.max_body_bytes.
         # logger: counts the requests aiohttp's parser refuses (no gateway code sees them).
-        self.runner = web.AppRunner(self.build_app(), handler_cancellation=True,
+        # GatewayAppRunner: a body whose framing breaks after the headers is refused at once
+        # (gateway/body_errors.py).
+        self.runner = GatewayAppRunner(self.build_app(), handler_cancellation=True,
                                     access_log=None, shutdown_timeout=1.0, auto_decompress=False,
                                     keepalive_timeout=cfg.timeouts.header_read_s,
                                     logger=ServerLogger(self.metrics.unparsed.inc))

@@ -197,14 +197,14 @@ class ModelEntry:
         threading.Thread(target=lambda: self.digest, daemon=True,
                          name=f"digest-{self.name}").start()
 
-    def details(self, with_parent: bool = True) -> dict:
+    def details(self) -> dict:
+        """Ollama's ``details`` of a model, as ``/api/tags``, ``/api/show`` and ``/api/ps`` give
+        it (Ollama's ``api.ModelDetails``: ``parent_model`` has no ``omitempty``, so it is
+        always there, ``""`` for a model that was not made from another)."""
         arch = self.facts.architecture or "unknown"
-        d = {"format": "gguf", "family": arch, "families": [arch],
-             "parameter_size": _fmt_params(self.facts.n_params),
-             "quantization_level": self.facts.file_type or "unknown"}
-        if with_parent:
-            d = {"parent_model": "", **d}
-        return d
+        return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+                "parameter_size": _fmt_params(self.facts.n_params),
+                "quantization_level": self.facts.file_type or "unknown"}
 
     @property
     def context_length(self) -> int:

@@ -130,7 +130,9 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     Raises ApiError 413 (``Content-Length``, the bytes received or the decoded size over
     ``max_bytes``), 408 (not received within ``timeout_s`` seconds), 415 (a content coding
     other than :data:`BODY_ENCODINGS`, e.g. ``br`` or ``zstd``: RFC 9110 §15.5.16) or 400 (a
-    body that is not valid data in its coding).
+    body that is not valid data in its coding, or whose HTTP framing breaks, e.g. a bad chunk
+    size: aiohttp's ``web.RequestPayloadError`` on the body reader, set at once also for
+    bytes that come after the headers by gateway/body_errors.py).
     """
     # Repeated header lines are one comma-separated list (RFC 9110 §5.3): "gzip" then "br" on
     # two lines is "gzip, br", which is refused like the same list on one line.

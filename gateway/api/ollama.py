@@ -487,7 +487,7 @@ async def ps(request: web.Request) -> web.Response:
         gpu_workers = [w for w in workers if w.spec.gpus]
         models.append({
             "name": e.name, "model": e.name, "size": e.size, "digest": e.digest,
-            "details": e.details(with_parent=False),
+            "details": e.details(),
             "expires_at": e.expires_at(_STARTED_AT).isoformat(),
             "size_vram": e.size * len(gpu_workers),
             "context_length": gw.context_per_slot(e.name),

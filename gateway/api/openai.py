@@ -177,24 +177,39 @@ def _bound_max_tokens(gw, body: dict) -> None:
             body["max_tokens"] = cap
 
 
+def _is_empty_prompt(p) -> bool:
+    """Whether ``p``, one prompt of a ``/v1/completions`` body, has no tokens: ``""``, ``[]``,
+    or llama-server's object form ``{"prompt_string": ..., "multimodal_data": [...]}`` with an
+    empty ``prompt_string`` (``""`` or ``[]``, a mixed list) and no (or empty/null)
+    ``multimodal_data`` (tools/server/server-common.cpp ``tokenize_input_subprompt``; with
+    files, the prompt has the files' tokens; a model without a projector answers 400 at once
+    to any ``multimodal_data`` key, which a repeated prompt still gets)."""
+    if p == "" or p == []:
+        return True
+    return isinstance(p, dict) and "prompt_string" in p \
+        and p["prompt_string"] in ("", []) and not p.get("multimodal_data")
+
+
 def spread_empty_prompts(body: dict) -> None:
     """Rewrite a ``/v1/completions`` body with ``n`` (or ``n_cmpl``) ≥ 2 and an empty prompt
-    (``""``, or ``""`` / ``[]`` in a list of prompts) into the same prompts each repeated ``n``
-    times, with ``n`` 1. The pinned llama-server never answers the original: the extra choices
-    of a prompt wait for its evaluation to be copied to them, and a prompt with no tokens is
-    never evaluated (seen on the pinned build, standalone: choice 0 comes, then nothing). The
-    repeated prompts give the same choices in the same order (prompt-major indexes, prompt
-    ``p``'s copies at ``p * n`` … ``p * n + n - 1``), on as many slots. Other bodies are left as
-    they are (``"prompt": []`` is answered 400 by llama-server at once)."""
+    (:func:`_is_empty_prompt`: ``""``, ``{"prompt_string": ""}``, or one of those or ``[]`` in
+    a list of prompts) into the same prompts each repeated ``n`` times, with ``n`` 1. The
+    pinned llama-server never answers the original: the extra choices of a prompt wait for its
+    evaluation to be copied to them, and a prompt with no tokens is never evaluated (seen on
+    the pinned build, standalone: choice 0 comes, then nothing). The repeated prompts give the
+    same choices in the same order (prompt-major indexes, prompt ``p``'s copies at ``p * n`` …
+    ``p * n + n - 1``), on as many slots. Other bodies are left as they are (``"prompt": []``
+    is answered 400 by llama-server at once)."""
     n = sizing.choices(body)
     if n < 2:
         return
     prompts = sizing.prompts_of(body)
     if prompts is None:
-        if body.get("prompt") != "":
+        p = body.get("prompt")
+        if p == [] or not _is_empty_prompt(p):
             return
-        prompts = [""]
-    elif not any(p == "" or p == [] for p in prompts):
+        prompts = [p]
+    elif not any(_is_empty_prompt(p) for p in prompts):
         return
     body["prompt"] = [p for p in prompts for _ in range(n)]
     body.pop("n_cmpl", None)

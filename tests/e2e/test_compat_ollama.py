@@ -116,6 +116,9 @@ def test_case24_list_ps_show_typed(gw, client):
         assert m.size_vram == 0 and isinstance(m.size_vram, int)
         assert isinstance(m.expires_at, datetime) and m.expires_at.tzinfo is not None
         assert m.context_length == 1024 and m.details.family == "llama" and m.digest == lst.models[0].digest
+    # Ollama's details always carry parent_model ("" when none), in /api/ps as in /api/tags
+    for m in httpx.get(gw.url + "/api/ps").json()["models"]:
+        assert m["details"]["parent_model"] == "", m["details"]
     show = client.show("demo")
     assert isinstance(show.modelinfo, dict) and show.modelinfo["general.architecture"] == "llama"
     assert show.modelinfo["llama.context_length"] == 4096 and show.modelinfo["llama.embedding_length"] == 64

@@ -48,6 +48,24 @@ def test_case25_truncation_below_the_batch_llama_server_cut_to_a_tiny_context(gw
     assert (e.value.status_code, e.value.error) == (400, "the input length exceeds the context length")
 
 
+def test_v1_embeddings_cut_an_over_long_text_as_ollamas_openai_layer_does(gw):
+    """``/v1/embeddings`` cuts a text over the worker's limit (128 tokens on ``embedtiny``)
+    instead of OpenAI's 400: Ollama's OpenAI layer sends it to its embed handler without
+    ``truncate``, which defaults to true (README "OpenAI endpoints"). ``truncate`` is not an
+    OpenAI field and is ignored. A token array is sent as is: over the limit, the worker's
+    refusal comes back as 400 in the OpenAI shape."""
+    for extra in ({}, {"truncate": False}):
+        r = httpx.post(gw.url + "/v1/embeddings", timeout=60,
+                       json={"model": "embedtiny", "input": "word " * 300, **extra})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"][0]["embedding"]) == 64
+        assert 0 < r.json()["usage"]["prompt_tokens"] <= 128
+    r = httpx.post(gw.url + "/v1/embeddings", timeout=60,
+                   json={"model": "embedtiny", "input": [5] * 300})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "the input length exceeds the context length"
+
+
 def test_case25_batch_order_truncation_and_legacy(gw):
     client = ollama.Client(host=gw.url)
     r = client.embed(model="embed", input=TEXTS)  # truncate defaults to true

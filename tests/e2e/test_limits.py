@@ -170,6 +170,42 @@ def test_slow_headers_and_body_are_cut(limited):
         assert b'"error":"request body not received within 1 s"' in data
 
 
+@pytest.mark.parametrize("path", ["/api/generate", "/v1/completions"])
+def test_bad_chunk_after_the_headers_is_400_at_once(limited, path):
+    """Tester's find: a chunked body whose framing breaks after the headers (aiohttp's C
+    parser queues its error behind the request instead of telling the body's reader) waited
+    for ``timeouts.body_read_s`` and got 408; the same bytes in one packet got aiohttp's 400
+    at once. Now it is 400 at once, in the route's error shape, one answer, and the connection
+    closes (gateway/body_errors.py)."""
+    with socket.create_connection(("127.0.0.1", limited.port)) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                  "\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        time.sleep(0.5)  # the headers are parsed and the handler waits for the body
+        t0 = time.monotonic()
+        s.sendall(b'5\r\n{"mod\r\nZZ\r\nel": "demo"}\r\n0\r\n\r\n')
+        s.settimeout(10)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        took = time.monotonic() - t0
+    assert data.startswith(b"HTTP/1.1 400"), data[:300]
+    assert took < 0.9, took  # before the 1 s body_read_s of the fixture
+    assert data.count(b"HTTP/1.1 ") == 1, data  # aiohttp's own 400 does not follow it
+    err = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+    if path.startswith("/v1"):
+        assert err["type"] == "invalid_request_error" and "bad request body" in err["message"]
+    else:
+        assert isinstance(err, str) and "bad request body" in err, err
+    # the same bytes in one packet: aiohttp's parser answers before any handler (Known gaps)
+    with socket.create_connection(("127.0.0.1", limited.port)) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                  "\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+                  + b'5\r\n{"mod\r\nZZ\r\nel": "demo"}\r\n0\r\n\r\n')
+        s.settimeout(10)
+        data = s.recv(65536)
+    assert data.startswith(b"HTTP/1.0 400") and b"text/plain" in data, data[:300]
+
+
 def test_client_that_stops_reading_is_dropped_and_slot_freed(limited):
     stop_reading_until_dropped(limited, within_s=20)
     worker = limited.workers()[0]

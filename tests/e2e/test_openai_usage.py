@@ -139,12 +139,17 @@ def test_one_task_keeps_the_workers_usage(gw, client):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
-@pytest.mark.parametrize("prompt", ["", ["", "one two three"]], ids=["empty", "empty-in-list"])
+@pytest.mark.parametrize("prompt", [
+    "", ["", "one two three"],
+    # llama-server's object form of a prompt (server-common.cpp tokenize_input_subprompt)
+    {"prompt_string": ""}, [{"prompt_string": ""}, {"prompt_string": "one two three"}],
+], ids=["empty", "empty-in-list", "empty-object", "empty-object-in-list"])
 def test_empty_prompt_with_n_is_answered_and_leaves_the_worker_alone(gw, stream, prompt):
     """Tester's find: the pinned llama-server never answers ``n`` ≥ 2 for a prompt with no
     tokens (choice 0, then nothing), and the gateway's watchdog then restarted the worker as
     wedged. The gateway sends such a body as each prompt repeated ``n`` times
-    (``openai.spread_empty_prompts``): every choice comes, in order, and the worker stays up."""
+    (``openai.spread_empty_prompts``): every choice comes, in order, and the worker stays up.
+    A later tester's find: the same for ``{"prompt_string": ""}`` (alone or in a list)."""
     short = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     worker = gw.workers()[0]
     prompts = prompt if isinstance(prompt, list) else [prompt]
@@ -152,7 +157,8 @@ def test_empty_prompt_with_n_is_answered_and_leaves_the_worker_alone(gw, stream,
                                  prompt=prompt, n=2, max_tokens=MAX, extra_body=EXTRA)
     assert finish == ["length"] * (2 * len(prompts))
     # an empty prompt generates nothing, as with n = 1 (llama-server: "" and finish "length")
-    assert usage.completion_tokens == 2 * sum(1 for p in prompts if p) * MAX == counts.generated
+    non_empty = sum(1 for p in prompts if (p.get("prompt_string") if isinstance(p, dict) else p))
+    assert usage.completion_tokens == 2 * non_empty * MAX == counts.generated
     after = gw.workers()[0]
     assert (after["pid"], after["state"], after.get("restarts", 0)) == \
         (worker["pid"], "ready", worker.get("restarts", 0))
