@@ -191,6 +191,12 @@ class WorkerPoller:
             return None
         headers = {"Authorization": f"Bearer {ep.api_key}"}
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        # The sample is stamped when the poll is sent, not when its answer arrives: the worker
+        # may have read its slots at any moment in between, so a lease released after the send
+        # may still show busy in it, and the scheduler leaves out such a poll's busy slots and
+        # KV fill for leases released after ``at`` (``WorkerView.phantom`` / ``kv_used``). A
+        # fresh tester got 503s with a slot free when the stamp came after the answer.
+        at = time.monotonic()
         try:
             async with session.get(ep.url + "/slots", headers=headers, timeout=timeout) as r:
                 slots = parse_slots(await r.json(content_type=None)) if r.status == 200 else []
@@ -209,7 +215,6 @@ class WorkerPoller:
         if self.failures:
             log.info("telemetry.poll_recovered", worker=self.worker_id, failures=self.failures)
             self.failures = 0
-        at = time.monotonic()
         gpus = {}
         if self.gpus and self.read_gpus is not None:
             stats = await asyncio.to_thread(self.read_gpus)

@@ -3,6 +3,7 @@ real llama-server worker. NVML is faked (no GPU here): ``FakeNvml`` is named as 
 
 import asyncio
 import sys
+import time
 import types
 
 import aiohttp
@@ -107,6 +108,40 @@ def test_gpu_stats_with_fake_nvml(monkeypatch):
     stats = gpu.read_gpu_stats()
     assert stats[0].util_percent == 87 and stats[0].power_w == 250.0
     assert stats[0].memory_free_bytes == 21 << 30 and stats[0].name == "Fake GPU"
+
+
+async def test_a_sample_is_stamped_when_its_poll_was_sent():
+    """The worker may read its slots at any moment before its answer arrives, so the sample's
+    ``at`` is the send time: a lease released while the poll was in flight counts as released
+    after the poll (a fresh tester got 503s with a slot free when it was the arrival time).
+    A fake worker (aiohttp app) answers ``/slots`` 0.3 s late."""
+    from aiohttp import web
+
+    async def slow_slots(_request):
+        await asyncio.sleep(0.3)
+        return web.json_response([{"id": 0, "n_ctx": 512, "is_processing": True}])
+
+    async def no_metrics(_request):
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/slots", slow_slots)
+    app.router.add_get("/metrics", no_metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    ep = types.SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key="k")
+    try:
+        async with aiohttp.ClientSession() as s:
+            p = WorkerPoller("w", lambda: ep, lambda _s: None)
+            sent = time.monotonic()
+            smp = await p.poll_once(s)
+            assert smp is not None and smp.load.processing == 1
+            assert sent <= smp.at < sent + 0.2, (sent, smp.at)
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.slow
