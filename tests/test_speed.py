@@ -111,7 +111,7 @@ async def test_counters_of_a_real_worker_count_finished_sequences(tmp_path):
     running request adds nothing yet."""
     import aiohttp
 
-    from tests.conftest import free_port
+    from tests.conftest import free_port, wait_health
     from workers.demo_model import ensure_demo_model
     from workers.provision import ensure_llama_server
 
@@ -127,14 +127,7 @@ async def test_counters_of_a_real_worker_count_finished_sequences(tmp_path):
                 async with s.get(url + "/metrics") as r:
                     return parse_metrics(await r.text())
 
-            for _ in range(100):
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
+            await wait_health(s, url, tries=100)
             before = await counters()
             meter = DecodeMeter(min_seconds=0.0, min_tokens=1)
             meter.update(before)

@@ -75,7 +75,7 @@ def snapshot(gw) -> dict:
             "prefill_backlog_tokens": view.prefill_backlog if view else 0,
             "restarts": sup.restarts, "n_ctx_slot": sup.slots_n_ctx,
             "kv_fill": ws.kv_fill, "deferred": ws.deferred,
-            "tokens_per_s": round(ws.tokens_per_s, 1) if ws.tokens_per_s is not None else None,
+            "tokens_per_s": _round(ws.tokens_per_s, 1),
             "speed": round(view.speed, 3) if view else 1.0,
             "sequence_tokens_per_s": _round(gw.fleet.speeds.rate(sup.id), 1),
             "gpu": g.__dict__ if g else None,
