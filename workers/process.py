@@ -74,6 +74,31 @@ copy time per worker 103 → 62 s and TTFT p99 0.91 → 0.58 s on the conversati
 cached tokens (``tests/bench/cache_idle_slots.py``; the GPU copy rate there is an assumption)."""
 
 
+FLASH_ATTN_ENV = "LLAMA_ARG_FLASH_ATTN"
+"""CPU workers (no GPU) run with ``--flash-attn off``, given as this environment variable (pinned
+build, common/arg.cpp: read before the command line, so ``-fa``/``--flash-attn`` in ``args``
+wins). GPU workers keep llama-server's default (``auto``: on where the backend supports it).
+
+In the pinned build the CPU flash-attention kernel is slow for a batch of few new tokens over a
+long KV: a prompt whose head is cached and whose new part is under about 64 tokens (a chat turn,
+a short question under a shared system prompt) and every decode step. Measured on one core with
+the demo model (README, "Worker flags: --flash-attn off on CPU workers"): 31 new tokens after
+1,609 cached took 54.2 ms with it and 3.9 ms without; a decode step at 1,677 tokens of context
+2.06 ms and 0.80 ms. Only a cold prompt is faster with it (1,618 tokens: 88.6 ms and 111.2 ms).
+A cache hit with a short suffix then cost more than computing the whole prompt, so prefix
+affinity could not pay off on CPU workers.
+
+Not set when ``args`` give ``-ctv``/``--cache-type-v`` or the environment has
+:data:`CACHE_TYPE_V_ENV`: llama-server refuses to load a quantized V cache without flash
+attention ("quantized V cache requires flash_attn to be enabled")."""
+
+CACHE_TYPE_V_ENV = "LLAMA_ARG_CACHE_TYPE_V"
+"""``-ctv`` as an environment variable (pinned build, common/arg.cpp)."""
+
+FLASH_ATTN_FLAGS = frozenset({"-fa", "--flash-attn", "-ctv", "--cache-type-v"})
+"""Options in ``args`` that leave the flash-attention choice to the operator (the first two set
+it, the others may need it)."""
+
 @dataclass
 class LaunchSpec:
     """Everything needed to start one worker.
@@ -134,10 +159,15 @@ class LaunchSpec:
     def env(self, api_key: str) -> dict[str, str]:
         """The worker's environment: the gateway's, plus ``CUDA_VISIBLE_DEVICES``, the per-start
         key, the binary's library folder, and ``LLAMA_ARG_CACHE_IDLE_SLOTS=0`` (see
-        :data:`IDLE_SLOTS_ENV`) and the log verbosity (:data:`LOG_VERBOSITY_ENV`) unless the
+        :data:`IDLE_SLOTS_ENV`), for a CPU worker ``LLAMA_ARG_FLASH_ATTN=off`` (see
+        :data:`FLASH_ATTN_ENV`; not when ``extra_args`` hold one of
+        :data:`FLASH_ATTN_FLAGS`) and the log verbosity (:data:`LOG_VERBOSITY_ENV`) unless the
         environment already sets them (or, for the verbosity, ``extra_args`` do)."""
         env = dict(os.environ)
         env.setdefault(IDLE_SLOTS_ENV, "0")
+        if not self.gpus and CACHE_TYPE_V_ENV not in env and not any(
+                a in FLASH_ATTN_FLAGS for a in self.extra_args):
+            env.setdefault(FLASH_ATTN_ENV, "off")
         if self.log_verbosity is not None and not self.operator_verbosity:
             # not beside an operator's -lv: llama-server would warn at every start that the
             # variable is overwritten by the command line

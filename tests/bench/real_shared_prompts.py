@@ -13,8 +13,10 @@ Workload: ``--prompts`` system prompts of ~``--words`` random words each (distin
 first sentence on), each request one of them (equal popularity, or Zipf with ``--zipf 1``)
 plus a short distinct user message, ``/api/chat`` non-streamed with ``--num-predict`` tokens;
 ``--requests`` requests in a fixed seeded order, sent by ``--clients`` closed-loop clients.
-Fleet: 2 CPU workers × ``--slots`` slots × 2048 tokens, ``-t 1``, ``--cache-ram`` MiB of host
-prompt cache each (the demo model's KV is 512 bytes per token, so 2 MiB ≈ 4,096 tokens).
+Fleet: ``--workers`` (2) CPU workers × ``--slots`` slots × 2048 tokens, ``-t 1``,
+``--cache-ram`` MiB of host prompt cache each (the demo model's KV is 512 bytes per token, so
+2 MiB ≈ 4,096 tokens). More workers than cores is fair while ``--clients`` ≤ cores: no more
+requests run at once than there are cores, whatever the policy.
 Policies: least_loaded with prefix affinity (the default), least_loaded without it,
 round_robin; each on a fresh gateway and fresh workers.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import random
+import statistics
 import sys
 import threading
 import time
@@ -60,13 +63,14 @@ def workload(n_prompts: int, words: int, n_requests: int, zipf_s: float, seed: i
 
 
 def run(tmp: Path, policy: str, affinity: bool, systems, reqs, slots: int, cache_ram: int,
-        clients: int, num_predict: int) -> dict:
-    """One fresh gateway with 2 workers; ``reqs`` taken in order by ``clients`` clients.
+        clients: int, num_predict: int, workers: int = 2) -> dict:
+    """One fresh gateway with ``workers`` workers; ``reqs`` taken in order by ``clients`` clients.
     Returns cached (workers' count), prompt (answers' ``prompt_eval_count`` summed), out and
     wall (s)."""
     cfg = base_config(free_port(), scheduler={"policy": policy, "prefix_affinity": affinity},
                       log={"level": "warning", "format": "json"})
-    cfg["models"][0].update(slots=slots, context=2048, args=["--cache-ram", str(cache_ram)])
+    cfg["models"][0].update(slots=slots, context=2048, cpu=workers,
+                            args=["--cache-ram", str(cache_ram)])
     gw = start_gateway(tmp, cfg)
     todo = iter(reqs)
     lock = threading.Lock()
@@ -101,6 +105,29 @@ def run(tmp: Path, policy: str, affinity: bool, systems, reqs, slots: int, cache
             "out": sum(o for _, o in parts), "wall": wall}
 
 
+def rows(n: int, runs: dict[str, list[dict]]) -> list[str]:
+    """Table rows for ``n`` prompts: cached and prompt tokens summed over the repeats; tokens/s
+    and its ratio to least-loaded without affinity as the median, with the range when there are
+    several runs (ratios pair each run with the baseline's run of the same round)."""
+    def tps(r):
+        return (r["prompt"] + r["out"]) / r["wall"]
+
+    def fmt(xs, spec):
+        med = statistics.median(xs)
+        return (f"{med:{spec}}" if len(xs) == 1
+                else f"{med:{spec}} ({min(xs):{spec}}–{max(xs):{spec}})")
+
+    rr_cached = sum(r["cached"] for r in runs["round_robin"])
+    base = runs["least_loaded, no affinity"]
+    out = []
+    for label, rs in runs.items():
+        cached, prompt = sum(r["cached"] for r in rs), sum(r["prompt"] for r in rs)
+        out.append(f"| {n} | {label} | {cached:,.0f} | {prompt:,} | {cached / prompt:.3f} | "
+                   f"{cached / rr_cached:.2f}× | {fmt([tps(r) for r in rs], ',.0f')} | "
+                   f"{fmt([tps(r) / tps(b) for r, b in zip(rs, base)], '.2f')} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, nargs="+", default=[8, 24, 48])
@@ -108,32 +135,34 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=480)
     ap.add_argument("--zipf", type=float, default=0.0, help="popularity exponent (0 = equal)")
     ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2,
+                    help="CPU workers (-t 1 each; more than the cores is fine while at most "
+                         "--clients requests run at once)")
     ap.add_argument("--cache-ram", type=int, default=2, help="MiB of host prompt cache per worker")
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--num-predict", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per policy, interleaved; tokens/s reported as median (range)")
     ap.add_argument("--out", default="docs/bench_shared_prompts.md")
     a = ap.parse_args()
     tmp = Path("/tmp/llama-gateway-bench")
     tmp.mkdir(exist_ok=True)
-    lines = [f"### Shared system prompts on real workers (2 workers × {a.slots} slots, "
+    lines = [f"### Shared system prompts on real workers ({a.workers} workers × {a.slots} slots, "
              f"`--cache-ram {a.cache_ram}`, {a.requests} requests, {a.clients} clients, "
              f"popularity {'equal' if not a.zipf else f'Zipf {a.zipf:g}'}, "
-             f"{a.num_predict} tokens per answer)", "",
+             f"{a.num_predict} tokens per answer, {a.repeats} run(s) per policy)", "",
              "| system prompts | policy | cached prompt tokens | prompt tokens | cached / prompt | "
              "÷ round-robin's | tokens/s (prompt + generated) | ÷ least-loaded without affinity |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for n in a.prompts:
         systems, reqs = workload(n, a.words, a.requests, a.zipf)
-        res = {label: run(tmp, pol, aff, systems, reqs, a.slots, a.cache_ram, a.clients,
-                          a.num_predict) for label, pol, aff in POLICIES}
-        rr, base = res["round_robin"], res["least_loaded, no affinity"]
-        base_tps = (base["prompt"] + base["out"]) / base["wall"]
-        for label, r in res.items():
-            tps = (r["prompt"] + r["out"]) / r["wall"]
-            lines.append(f"| {n} | {label} | {r['cached']:,.0f} | {r['prompt']:,} | "
-                         f"{r['cached'] / r['prompt']:.3f} | {r['cached'] / rr['cached']:.2f}× | "
-                         f"{tps:,.0f} | {tps / base_tps:.2f} |")
-        sys.stdout.write("\n".join(lines[-3:]) + "\n")
+        runs: dict[str, list[dict]] = {label: [] for label, _, _ in POLICIES}
+        for _ in range(a.repeats):  # policies interleaved, so drift on the machine hits all
+            for label, pol, aff in POLICIES:
+                runs[label].append(run(tmp, pol, aff, systems, reqs, a.slots, a.cache_ram,
+                                       a.clients, a.num_predict, a.workers))
+        lines += rows(n, runs)
+        sys.stdout.write("\n".join(lines[-len(POLICIES):]) + "\n")
         sys.stdout.flush()
     md = "\n".join(lines) + "\n"
     Path(a.out).write_text(md)

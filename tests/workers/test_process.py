@@ -149,3 +149,58 @@ def test_reap_stale_workers_kills_only_matching_binary(tmp_path):
         other.kill()
         other.wait()
         victim.kill()
+
+
+def test_env_turns_cpu_flash_attention_off_unless_the_operator_chose(monkeypatch):
+    """CPU workers get LLAMA_ARG_FLASH_ATTN=off; GPU workers, an operator's -fa, a quantized V
+    cache (-ctv in args or LLAMA_ARG_CACHE_TYPE_V) and an operator's own variable are left
+    alone."""
+    monkeypatch.delenv("LLAMA_ARG_FLASH_ATTN", raising=False)
+    monkeypatch.delenv("LLAMA_ARG_CACHE_TYPE_V", raising=False)
+    assert spec(gpus=()).env("k")["LLAMA_ARG_FLASH_ATTN"] == "off"
+    assert "LLAMA_ARG_FLASH_ATTN" not in spec(gpus=(0,)).env("k")
+    for args in (["-fa", "on"], ["--flash-attn", "auto"], ["-ctv", "q8_0"],
+                 ["--cache-type-v", "q4_0"]):
+        assert "LLAMA_ARG_FLASH_ATTN" not in spec(gpus=(), extra_args=args).env("k"), args
+    monkeypatch.setenv("LLAMA_ARG_CACHE_TYPE_V", "q8_0")
+    assert "LLAMA_ARG_FLASH_ATTN" not in spec(gpus=()).env("k")
+    monkeypatch.delenv("LLAMA_ARG_CACHE_TYPE_V")
+    monkeypatch.setenv("LLAMA_ARG_FLASH_ATTN", "on")
+    assert spec(gpus=()).env("k")["LLAMA_ARG_FLASH_ATTN"] == "on"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, enabled", [([], False), (["-ctv", "f16"], True)])
+def test_real_cpu_worker_flash_attention(tmp_path, monkeypatch, args, enabled):
+    """A real CPU llama-server on the demo model runs with flash attention disabled by default;
+    with ``-ctv`` in its args the choice is llama-server's (``auto``: enabled on CPU). A
+    quantized V cache cannot be shown here: its block size (32) does not divide the demo
+    model's head size (16), so the ``-ctv`` case uses f16."""
+    from workers.demo_model import ensure_demo_model
+    monkeypatch.delenv("LLAMA_ARG_FLASH_ATTN", raising=False)
+    monkeypatch.delenv("LLAMA_ARG_CACHE_TYPE_V", raising=False)
+    monkeypatch.delenv("LLAMA_ARG_LOG_VERBOSITY", raising=False)
+    s = spec(binary=ensure_llama_server(), model_path=ensure_demo_model(), gpus=(), slots=1,
+             context_per_slot=512, threads=1, extra_args=["-lv", "4"] + args)
+
+    async def run():
+        p = WorkerProcess(s, state_dir=tmp_path / "run")
+        with capture_logs() as logs:
+            await p.start()
+            try:
+                for _ in range(300):
+                    lines = [e.get("line", "") for e in logs if e["event"] == "worker.output"]
+                    if any("listening on" in x or "exiting" in x for x in lines):
+                        break
+                    await asyncio.sleep(0.1)
+            finally:
+                await p.stop()
+        return [e.get("line", "") for e in logs if e["event"] == "worker.output"]
+
+    lines = asyncio.run(run())
+    assert any("listening on" in x for x in lines), lines[-5:]
+    # at -lv 4: "llama_context: flash_attn = disabled" (off) or "= auto" followed by
+    # "resolve_fused_ops: Flash Attention enabled"
+    fa = [x for x in lines if "flash_attn" in x.lower() or "flash attention" in x.lower()]
+    assert any(x.rstrip().endswith("= disabled") for x in fa) == (not enabled), fa
+    assert any("Flash Attention enabled" in x for x in fa) == enabled, fa
