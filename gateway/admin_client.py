@@ -64,10 +64,11 @@ def _gib(b) -> str:
 
 
 def status_table(st: dict) -> str:
-    """One row per worker (its GPU): state, slots busy/total, KV fill, queue, tokens/s, GPU
-    util and memory, restarts; then one line with queue and in-flight totals."""
-    head = ["WORKER", "GPU", "STATE", "SLOTS", "KV", "DEFERRED", "TOK/S", "GPU UTIL", "GPU MEM GiB",
-            "RESTARTS"]
+    """One row per worker (its GPU): state, slots busy/total, KV fill, queue, tokens/s, the
+    relative speed the scheduler uses, GPU util and memory, restarts; then one line with queue
+    and in-flight totals."""
+    head = ["WORKER", "GPU", "STATE", "SLOTS", "KV", "DEFERRED", "TOK/S", "SPEED", "GPU UTIL",
+            "GPU MEM GiB", "RESTARTS"]
     rows = [head]
     for w in st["workers"]:
         g = w.get("gpu")
@@ -77,6 +78,7 @@ def status_table(st: dict) -> str:
             f"{w['busy']}/{w['slots']}", _pct(w.get("kv_fill")),
             "-" if w.get("deferred") is None else str(w["deferred"]),
             "-" if w.get("tokens_per_s") is None else f"{w['tokens_per_s']:.1f}",
+            f"{w.get('speed', 1.0):.2f}",
             f"{g['util_percent']}%" if g else "-",
             f"{_gib(g['memory_used_bytes'])}/{_gib(g['memory_total_bytes'])}" if g else "-",
             str(w["restarts"]),

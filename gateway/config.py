@@ -532,6 +532,11 @@ class SchedulerConfig(_Section):
     prefill_weight: Annotated[float, PlainValidator(_v_nonneg_float)] = 0.5
     """Weight of a worker's prefill backlog (prompt tokens of its requests that have no first
     token yet, per slot context) in least_loaded's cost; 0 turns it off."""
+    measured_speed: StrictBool = True
+    """least_loaded only: weigh each worker by its measured decode speed relative to the
+    model's other workers (gateway/speed.py; mixed GPU models). False: every worker counts as
+    equally fast (``speed`` 1.0 in ``/gateway/api/workers``); its per-sequence decode rate is
+    still measured and shown (``sequence_tokens_per_s``)."""
     poll_interval_s: PositiveFloat = 0.25
     """Seconds between polls of each worker's /slots and /metrics."""
     poll_timeout_s: PositiveFloat = 1.0

@@ -76,6 +76,7 @@ class Fleet:
         self.pollers: dict[str, WorkerPoller] = {}
         self.bytes_per_token: dict[str, float] = {}
         self.speeds = SpeedBoard()  # measured decode speed per worker process
+        self.measured_speed = True  # scheduler.measured_speed (set by apply_scheduler)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self.apply_scheduler(config.scheduler)
@@ -98,6 +99,8 @@ class Fleet:
             affinity_wait_ms_per_1k_tokens=sc.affinity_wait_ms_per_1k_tokens,
             affinity_wait_max_s=sc.affinity_wait_max_s))
         d.queue.aging_s = sc.aging_s
+        self.measured_speed = sc.measured_speed
+        self._apply_speeds(self.speeds.all())  # switched on or off by a reload: at once
         for p in self.pollers.values():
             p.interval_s, p.timeout_s = sc.poll_interval_s, sc.poll_timeout_s
 
@@ -270,9 +273,11 @@ class Fleet:
 
     def _apply_speeds(self, speeds: dict[str, float]) -> None:
         """Give the dispatcher the relative speeds of ``speeds`` (worker id → speed; ids it no
-        longer has are skipped). A change of 10 % or more is logged (``worker.speed``)."""
+        longer has are skipped), or 1.0 for each with ``scheduler.measured_speed`` false. A
+        change of 10 % or more is logged (``worker.speed``)."""
         d = self.admission.dispatcher
         for wid, speed in speeds.items():
+            speed = speed if self.measured_speed else 1.0
             view = d.workers.get(wid)
             if view is None or view.speed == speed:
                 continue

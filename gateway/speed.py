@@ -171,6 +171,13 @@ class SpeedBoard:
         meter = self._meters.get(worker_id)
         return meter.rate if meter is not None else None
 
+    def all(self) -> dict[str, float]:
+        """Relative speed of every worker seen so far, each among its own model's workers."""
+        out: dict[str, float] = {}
+        for model in set(self._model.values()):
+            out.update(self.speeds(model))
+        return out
+
     def speeds(self, model: str) -> dict[str, float]:
         """Relative speed of every worker of ``model`` seen so far."""
         return relative_speeds({w: self._meters[w].rate for w, m in self._model.items()

@@ -403,13 +403,14 @@ def test_affinity_wait_settings():
 
     from gateway.fleet import Fleet
     from gateway.scheduling import Dispatcher
+    from gateway.speed import SpeedBoard
     base = "models: [{name: demo, path: 'builtin:demo'}]\n"
     sc = parse_config(yaml.safe_load(base)).scheduler
     assert (sc.affinity_wait_ms_per_1k_tokens, sc.affinity_wait_max_s) == (0.0, 1.0)
     sc = parse_config(yaml.safe_load(base + "scheduler: {affinity_wait_ms_per_1k_tokens: 125, "
                                             "affinity_wait_max_s: 0.5}")).scheduler
     fleet = SimpleNamespace(admission=SimpleNamespace(dispatcher=Dispatcher(time.monotonic)),
-                            pollers={})
+                            pollers={}, speeds=SpeedBoard(), _apply_speeds=lambda speeds: None)
     Fleet.apply_scheduler(fleet, sc)
     scorer = fleet.admission.dispatcher.scorer
     assert (scorer.wait_s_per_token, scorer.wait_max_s) == (125 / 1e6, 0.5)

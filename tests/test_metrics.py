@@ -31,13 +31,15 @@ def test_gpu_metrics_from_nvml_sample():
 def test_status_table():
     st = {"workers": [{"id": "m-gpu0", "gpus": [0], "state": "ready", "detail": "", "busy": 3,
                        "slots": 4, "kv_fill": 0.25, "deferred": 1, "tokens_per_s": 812.4,
-                       "restarts": 2, "gpu": fake_nvml_sample()[0].__dict__},
+                       "speed": 1.5, "restarts": 2, "gpu": fake_nvml_sample()[0].__dict__},
                       {"id": "m-cpu0", "gpus": [], "state": "backoff", "detail": "startup timeout after 2 s",
                        "busy": 0, "slots": 2, "kv_fill": None, "deferred": None,
                        "tokens_per_s": None, "restarts": 0, "gpu": None}],
           "queue": {"depth": 5, "max_pending": 512, "by_priority": {"0": 4, "5": 1}}, "in_flight": 8}
     lines = status_table(st).splitlines()
-    assert lines[1].split() == ["m-gpu0", "0", "ready", "3/4", "25%", "1", "812.4", "87%", "40.0/80.0", "2"]
+    assert lines[1].split() == ["m-gpu0", "0", "ready", "3/4", "25%", "1", "812.4", "1.50", "87%",
+                                "40.0/80.0", "2"]
+    assert lines[2].split()[-5:] == ["-", "1.00", "-", "-", "0"]  # no "speed" key: 1.0
     assert lines[2].split()[:3] == ["m-cpu0", "cpu", "backoff"]
     assert "(startup timeout after 2 s)" in lines[2] and lines[2].rstrip().endswith("0")
     assert lines[3] == "queue 5/512 (prio 0: 4, prio 5: 1); in flight 8"

@@ -82,11 +82,14 @@ wins). GPU workers keep llama-server's default (``auto``: on where the backend s
 In the pinned build the CPU flash-attention kernel is slow for a batch of few new tokens over a
 long KV: a prompt whose head is cached and whose new part is under about 64 tokens (a chat turn,
 a short question under a shared system prompt) and every decode step. Measured on one core with
-the demo model (README, "Worker flags: --flash-attn off on CPU workers"): 31 new tokens after
-1,609 cached took 54.2 ms with it and 3.9 ms without; a decode step at 1,677 tokens of context
-2.06 ms and 0.80 ms. Only a cold prompt is faster with it (1,618 tokens: 88.6 ms and 111.2 ms).
-A cache hit with a short suffix then cost more than computing the whole prompt, so prefix
-affinity could not pay off on CPU workers.
+the demo model (``tests/bench/cpu_flash_attn.py``; README, "Worker flags: --flash-attn off on
+CPU workers"): 50 new tokens after 1,689 cached took 83.5 ms with it and 5.0 ms without (the
+whole 1,684-token prompt, cold: 57.7 ms with it); a decode step at 1,908 tokens of context
+2.04 ms and 0.76 ms. A cold prompt is faster with it (1,684 tokens: 57.7 and 130.6 ms). With
+it, a cache hit with a short new part cost more than computing the whole prompt, so prefix
+affinity could not pay off on CPU workers. Other CPUs and models differ (llama.cpp#27086: on
+Arm Neoverse-V CPUs ``-fa auto`` halves prefill of a real 1.5B model); the bench takes
+``--model`` to measure one.
 
 Not set when ``args`` give ``-ctv``/``--cache-type-v`` or the environment has
 :data:`CACHE_TYPE_V_ENV`: llama-server refuses to load a quantized V cache without flash

@@ -29,7 +29,8 @@ th{background:#f0f0f0}
 <h1>llama-gateway</h1>
 <div class="muted" id="summary">loading…</div>
 <table id="workers"><thead><tr><th>worker</th><th>model</th><th>GPU</th><th>state</th>
-<th>slots busy/total</th><th>KV fill</th><th>deferred</th><th>tokens/s</th><th>GPU util / mem</th>
+<th>slots busy/total</th><th>KV fill</th><th>deferred</th><th>tokens/s</th>
+<th title="relative decode speed the scheduler uses (measured per-sequence tokens/s)">speed</th><th>GPU util / mem</th>
 <th>restarts</th><th>pid</th></tr></thead><tbody></tbody></table>
 <h2 style="font-size:1.1em">Recent errors</h2><ul id="errors"><li class="muted">none</li></ul>
 <script>
@@ -53,7 +54,8 @@ async function tick(){
         esc(w.gpus.length?w.gpus.join("+"):"cpu")+'</td><td class="st-'+esc(w.state)+'" title="'+esc(w.detail)+'">'+
         esc(w.state)+(w.detail?" ("+esc(w.detail)+")":"")+'</td><td>'+bar(w.slots?w.busy/w.slots:0,"",w.busy+"/"+w.slots)+
         '</td><td>'+kv+'</td><td>'+(w.deferred==null?"-":esc(w.deferred))+'</td><td>'+
-        (w.tokens_per_s==null?"-":esc(w.tokens_per_s))+'</td><td>'+
+        (w.tokens_per_s==null?"-":esc(w.tokens_per_s))+'</td><td>'+esc(w.speed)+
+        (w.sequence_tokens_per_s==null?"":" ("+esc(w.sequence_tokens_per_s)+"/s)")+'</td><td>'+
         (g?esc(g.util_percent)+"% / "+gb(g.memory_used_bytes)+" of "+gb(g.memory_total_bytes):"-")+
         '</td><td>'+esc(w.restarts)+'</td><td>'+esc(w.pid||"-")+'</td></tr>';});
     document.querySelector("#workers tbody").innerHTML=rows.join("");

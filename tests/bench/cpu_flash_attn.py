@@ -14,7 +14,8 @@ One llama-server per setting (``-fa on``, ``-fa off``), the demo model, ``-t 1``
 - decode: 256 tokens (``ignore_eos``) after a short and a long prompt, ms per token.
 
 Run: ``flock /tmp/bench.lock .venv/bin/python tests/bench/cpu_flash_attn.py [--repeats 5]
-[--out docs/bench_cpu_flash_attn.md]``.
+[--model F.gguf] [--out docs/bench_cpu_flash_attn.md]``: an operator can measure a real model
+on their own CPU the same way (the default measures the demo model).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ SYSTEM_WORDS = (20, 200, 400)  # about 100, 850 and 1,600 tokens with the chat t
 USER_WORDS = (1, 5, 10, 20, 40, 80)
 
 
-def start(fa: str) -> tuple[subprocess.Popen, str]:
+def start(fa: str, model: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
     proc = subprocess.Popen(
-        [str(ensure_llama_server()), "-m", str(ensure_demo_model()), "-c", "8192", "-np", "4",
+        [str(ensure_llama_server()), "-m", str(model), "-c", "8192", "-np", "4",
          "-t", "1", "--port", str(port), "-fa", fa, "--no-webui"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -68,9 +69,9 @@ def timings(url: str, system: str, user: str, max_tokens: int = 1) -> dict:
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()["timings"]
 
 
-def measure(fa: str, repeats: int) -> dict:
+def measure(fa: str, repeats: int, model: Path) -> dict:
     rng = random.Random(7)
-    proc, url = start(fa)
+    proc, url = start(fa, model)
     out: dict = {"cold": {}, "cached": {}, "decode": {}}
     try:
         for sw in SYSTEM_WORDS:
@@ -101,10 +102,13 @@ def measure(fa: str, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="GGUF file (default: the demo model); the model's own chat template")
     ap.add_argument("--out", default="docs/bench_cpu_flash_attn.md")
     a = ap.parse_args()
-    on, off = measure("on", a.repeats), measure("off", a.repeats)
-    lines = [f"### CPU flash attention (demo model, `-t 1`, 4 slots, median of {a.repeats})", "",
+    model = a.model or ensure_demo_model()
+    on, off = measure("on", a.repeats, model), measure("off", a.repeats, model)
+    lines = [f"### CPU flash attention ({model.name}, `-t 1`, 4 slots, median of {a.repeats})", "",
              "| case | tokens | `-fa on` ms | `-fa off` ms | on ÷ off |", "|---|---|---:|---:|---:|"]
     for sw in SYSTEM_WORDS:
         n, a_ms = on["cold"][sw]

@@ -2,6 +2,7 @@
 
 import concurrent.futures as cf
 import os
+import re
 import shutil
 import socket
 import stat
@@ -257,6 +258,9 @@ def test_status_page_renders_in_headless_chromium(gateway):
     assert dom.returncode == 0, dom.stderr[-2000:]
     for wid in ("demo-cpu0", "demo-cpu1"):
         assert f'data-worker="{wid}"' in dom.stdout
+        row = dom.stdout.split(f'data-worker="{wid}"')[1].split("</tr>")[0]
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+        assert cells[8] == "1", cells  # speed: unmeasured while idle, no rate shown
     assert "2/2 workers ready" in dom.stdout
     subprocess.run(common + ["--window-size=1300,500", f"--screenshot={shot}", gateway.url + "/gateway"],
                    capture_output=True, timeout=120)

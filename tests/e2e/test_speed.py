@@ -4,8 +4,8 @@ Two FAKE workers (``tests/fakes/paced_llama_server.py``: a real llama-server's s
 set) generate at 300 and 100 tokens/s per sequence and count their ``/metrics`` generation
 counters as llama-server does. The gateway must measure them (``speed`` 3 and 1 in
 ``/gateway/api/workers`` and ``llama_gateway_worker_speed_ratio``), give the fast one 3 of 4
-long requests (least_loaded; 2 of 4 while speeds are equal), and forget the measurement of a
-worker that restarts.
+long requests (least_loaded; 2 of 4 while speeds are equal, or with
+``scheduler.measured_speed: false``), and forget the measurement of a worker that restarts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import base_config, free_port
@@ -59,6 +60,12 @@ class Chat:
 
 def by_id(gw) -> dict[str, dict]:
     return {w["id"]: w for w in gw.workers()}
+
+
+def reload(gw, cfg: dict) -> None:
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def wait_for(pred, timeout: float):
@@ -109,6 +116,26 @@ def test_faster_worker_is_measured_and_takes_more(gateway_factory, tmp_path):
     finally:
         for c in streams:
             c.close()
+
+    # scheduler.measured_speed false, by reload: speeds 1.0 at once, rates still measured and
+    # shown, and 4 long requests split 2 : 2 (then back on).
+    cfg = yaml.safe_load(gw.cfg_path.read_text())
+    cfg["scheduler"] = {**cfg.get("scheduler", {}), "measured_speed": False}
+    reload(gw, cfg)
+    off = by_id(gw)
+    assert {w["speed"] for w in off.values()} == {1.0}
+    assert off[fast]["sequence_tokens_per_s"] == pytest.approx(FAST, rel=0.2)
+    with cf.ThreadPoolExecutor(4) as ex:
+        streams = list(ex.map(lambda i: Chat(gw, 200 + i, 1500), range(4)))
+    try:
+        busy = {w: v["busy"] for w, v in by_id(gw).items()}
+        assert busy == {fast: 2, slow: 2}
+    finally:
+        for c in streams:
+            c.close()
+    cfg["scheduler"]["measured_speed"] = True
+    reload(gw, cfg)
+    assert 2.4 <= by_id(gw)[fast]["speed"] <= 3.6
 
     # A restart forgets the measurement (a new process; this one is paced at SLOW).
     r = httpx.post(f"{gw.url}/gateway/api/admin/workers/{fast}/restart", headers=ADMIN, timeout=60)
