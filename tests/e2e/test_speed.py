@@ -62,6 +62,18 @@ def by_id(gw) -> dict[str, dict]:
     return {w["id"]: w for w in gw.workers()}
 
 
+def busy_with_long_requests(gw, first: int) -> dict[str, int]:
+    """Busy slots per worker while 4 long requests of their own prompts (numbered from
+    ``first``) stream; they are closed after."""
+    with cf.ThreadPoolExecutor(4) as ex:
+        streams = list(ex.map(lambda i: Chat(gw, first + i, 1500), range(4)))
+    try:
+        return {w: v["busy"] for w, v in by_id(gw).items()}
+    finally:
+        for c in streams:
+            c.close()
+
+
 def reload(gw, cfg: dict) -> None:
     gw.cfg_path.write_text(yaml.safe_dump(cfg))
     r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=ADMIN, timeout=60)
@@ -108,14 +120,7 @@ def test_faster_worker_is_measured_and_takes_more(gateway_factory, tmp_path):
     assert metrics == {fast: pytest.approx(measured[fast]["speed"], abs=1e-3), slow: 1.0}
 
     # 4 long requests on 2 × 4 slots: 3 go to the fast worker.
-    with cf.ThreadPoolExecutor(4) as ex:
-        streams = list(ex.map(lambda i: Chat(gw, 100 + i, 1500), range(4)))
-    try:
-        busy = {w: v["busy"] for w, v in by_id(gw).items()}
-        assert busy == {fast: 3, slow: 1}
-    finally:
-        for c in streams:
-            c.close()
+    assert busy_with_long_requests(gw, 100) == {fast: 3, slow: 1}
 
     # scheduler.measured_speed false, by reload: speeds 1.0 at once, rates still measured and
     # shown, and 4 long requests split 2 : 2 (then back on).
@@ -125,14 +130,7 @@ def test_faster_worker_is_measured_and_takes_more(gateway_factory, tmp_path):
     off = by_id(gw)
     assert {w["speed"] for w in off.values()} == {1.0}
     assert off[fast]["sequence_tokens_per_s"] == pytest.approx(FAST, rel=0.2)
-    with cf.ThreadPoolExecutor(4) as ex:
-        streams = list(ex.map(lambda i: Chat(gw, 200 + i, 1500), range(4)))
-    try:
-        busy = {w: v["busy"] for w, v in by_id(gw).items()}
-        assert busy == {fast: 2, slow: 2}
-    finally:
-        for c in streams:
-            c.close()
+    assert busy_with_long_requests(gw, 200) == {fast: 2, slow: 2}
     cfg["scheduler"]["measured_speed"] = True
     reload(gw, cfg)
     assert 2.4 <= by_id(gw)[fast]["speed"] <= 3.6
