@@ -6,7 +6,9 @@ plain key gets 403; ``/metrics`` stays open with ``auth.metrics_public``):
 * ``GET /gateway/api/workers`` → ``{"workers": [{id, model, state, detail, draining, pid, port,
   gpus, slots, busy, prefill_backlog_tokens, restarts, crashes, wedges, crash_loops, n_ctx_slot,
   kv_fill, deferred, tokens_per_s, speed, sequence_tokens_per_s, gpu}],
-  "queue": {"depth", "max_pending", "by_priority": {prio: n}}, "in_flight" (inference requests
+  "queue": {"depth" (requests waiting, as ``max_pending`` counts them), "waiting_inputs"
+  (tickets waiting: each input of an embedding request counted), "max_pending",
+  "by_priority": {prio: n}}, "in_flight" (inference requests
   queued or running; this poll and other status/admin requests are not counted), "shutting_down",
   "gpus": [{index, name, util_percent, memory_used_bytes, memory_total_bytes, temperature_c,
   power_w}], "recent_errors": [{time, source, message}]}``. ``kv_fill`` (0..1),
@@ -82,7 +84,8 @@ def snapshot(gw) -> dict:
             "crashes": sup.crashes, "wedges": sup.wedges, "crash_loops": sup.crash_loops,
         })
     return {"workers": out,
-            "queue": {"depth": len(gw.dispatcher.queue), "max_pending": gw.dispatcher.max_pending,
+            "queue": {"depth": gw.dispatcher.queue.requests(), "waiting_inputs": len(gw.dispatcher.queue),
+                      "max_pending": gw.dispatcher.max_pending,
                       "by_priority": {str(k): v for k, v in
                                       sorted(gw.dispatcher.queue.depth_by_priority().items())}},
             "in_flight": gw.inference_in_flight, "shutting_down": gw.draining,

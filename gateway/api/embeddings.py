@@ -139,8 +139,10 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
     The request is admitted once, as one request (Ollama's ``OLLAMA_MAX_QUEUE`` counts
     requests, not inputs): its first input's ticket is an ordinary one (a slot, a place in the
     queue, or the queue's 503 at once), and only once admission took it do the other inputs
-    start, as ``follow_on`` tickets: they wait for slots like any ticket, and count in the
-    queue, but a full queue never refuses them, so an accepted batch is not cut off halfway
+    start, as ``follow_on`` tickets: they wait for slots like any ticket, but a full queue never
+    refuses them and they do not count toward ``queue.max_pending`` (``AdmissionQueue.requests``;
+    they show as ``waiting_inputs`` in ``/gateway/api/workers``), so an accepted batch is not cut
+    off halfway
     (``refuse_early`` first spares a long first input its ``/tokenize`` when the queue would
     refuse the request anyway). At most as many inputs of
     one request are in flight (queued or running) as the model has slots in total, so a long

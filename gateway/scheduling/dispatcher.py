@@ -8,7 +8,9 @@ Invariants (each has a test):
 - a worker never holds more leased slots than it has (a ticket of ``slots`` > 1, a ``/v1``
   request with ``n`` choices, goes only to a worker with that many free slots and holds them
   all), and never gets a lease unless ready and not draining;
-- the queue never holds more than ``max_pending`` tickets; overflow raises ``QueueFull`` at once;
+- the queue never holds more than ``max_pending`` requests (``AdmissionQueue.requests``: the
+  inputs of an admitted embedding request after its first are not counted); overflow raises
+  ``QueueFull`` at once;
 - a ticket is dispatched at most once; cancel/expire remove it from the queue;
 - a ticket whose model no worker can take without an operator or the supervisor's next try
   (``refusal``: every worker drained by the operator or crash-loop ``failed``, or the model
@@ -335,7 +337,7 @@ class Dispatcher:
         refused = self.refusal(model)
         if refused is not None:
             return refused
-        if len(self.queue) >= self.max_pending:
+        if self.queue.requests() >= self.max_pending:
             return QueueFull(request_id)
         return None
 

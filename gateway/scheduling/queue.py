@@ -14,16 +14,27 @@ class AdmissionQueue:
     ``priority + waited_seconds / aging_s`` (so a ticket that waited ``aging_s`` seconds
     ranks with the class above it and nothing starves), then admission order.
 
-    The bound is enforced by the dispatcher (``Dispatcher.submit``); this class only orders.
-    Sizes here are small (``queue.max_pending``, 512 by default), so selection is a scan.
+    The bound is enforced by the dispatcher (``Dispatcher.submit``) on :meth:`requests`; this
+    class only orders and counts. Sizes here are small (``queue.max_pending``, 512 by default,
+    plus the waiting inputs of admitted embedding requests), so selection is a scan.
     """
 
     def __init__(self, aging_s: float = 10.0):
         self.aging_s = aging_s
         self._items: dict[int, Ticket] = {}
+        self._requests = 0  # queued tickets that are not follow_on
 
     def __len__(self) -> int:
+        """Tickets waiting, the inputs of an embedding request each counted."""
         return len(self._items)
+
+    def requests(self) -> int:
+        """Requests waiting, as ``queue.max_pending`` counts them (Ollama's
+        ``OLLAMA_MAX_QUEUE`` counts requests): the tickets that are not ``follow_on``. The
+        further inputs of an embedding request, admitted once with its first input, are not
+        counted (field case 2: 300 embedding requests of 2 inputs while workers load must not
+        fill a queue of 512)."""
+        return self._requests
 
     def __iter__(self) -> Iterator[Ticket]:
         return iter(list(self._items.values()))
@@ -32,12 +43,15 @@ class AdmissionQueue:
         return self._items.get(ticket.seq) is ticket
 
     def push(self, ticket: Ticket) -> None:
+        if self._items.get(ticket.seq) is not ticket:
+            self._requests += not ticket.follow_on
         self._items[ticket.seq] = ticket
 
     def remove(self, ticket: Ticket) -> bool:
         """Remove ``ticket``; True if it was queued."""
         if self._items.get(ticket.seq) is ticket:
             del self._items[ticket.seq]
+            self._requests -= not ticket.follow_on
             return True
         return False
 
@@ -61,7 +75,9 @@ class AdmissionQueue:
         return best_t
 
     def depth_by_priority(self) -> dict[int, int]:
+        """Requests waiting (as :meth:`requests` counts them) per priority class."""
         out: dict[int, int] = {}
         for t in self._items.values():
-            out[t.priority] = out.get(t.priority, 0) + 1
+            if not t.follow_on:
+                out[t.priority] = out.get(t.priority, 0) + 1
         return out

@@ -1,8 +1,9 @@
 """Field case 2 (ollama#4124, #4159): overload is answered 503, never 500, and nothing hangs.
 
-300 concurrent ``/api/embed`` calls arrive while the workers are still loading (the binary is a
-wrapper that sleeps 3 s before exec'ing the real llama-server): they wait in the gateway and
-all succeed. Then 1,000 concurrent generations against a queue of 8: every one ends with 200 or
+300 concurrent ``/api/embed`` calls of 2 inputs each, then 20 chats, arrive while the workers
+are still loading (the binary is a wrapper that sleeps 3 s before exec'ing the real
+llama-server): they wait in the gateway and all succeed (``queue.max_pending`` 512 counts
+requests, not inputs). Then 1,000 concurrent generations against a queue of 8: every one ends with 200 or
 with Ollama's 503 JSON body, none with 500, all within the time limit.
 """
 
@@ -38,13 +39,34 @@ def test_case2_embeds_during_load_wait_and_overflow_is_503_not_500(tmp_path, gat
     wrapper.write_text(f"#!/bin/sh\nsleep 3\nexec '{real}' \"$@\"\n")
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     cfg = base_config(free_port(), llama_server={"binary": str(wrapper), "threads": 1},
-                      models=[embed_model(cpu=2)], queue={"max_pending": 512})
+                      models=[embed_model(cpu=2), model("demo", cpu=1)],
+                      queue={"max_pending": 512})
     gw = gateway_factory(cfg, wait=False)
     assert {w["state"] for w in gw.workers()} == {"starting"}
-    res = asyncio.run(_fire(gw.url + "/api/embed",
-                            [{"model": "embed", "input": f"text {i}"} for i in range(300)], 180))
+    # 300 embed requests of 2 inputs each, then 20 chats: 320 requests, under max_pending 512
+    # (which counts requests, as Ollama's OLLAMA_MAX_QUEUE does), though 620 inputs wait
+    embeds = [{"model": "embed", "input": [f"text {i}", f"more {i}"]} for i in range(300)]
+    chat = {"model": "demo", "stream": False, "options": {"num_predict": 4},
+            "messages": [{"role": "user", "content": "hi"}]}
+
+    async def load_burst():
+        first = asyncio.ensure_future(_fire(gw.url + "/api/embed", embeds, 180))
+        waiting = 0
+        async with aiohttp.ClientSession() as s:  # until more than 512 inputs wait
+            for _ in range(100):
+                async with s.get(gw.url + "/gateway/api/workers") as r:
+                    waiting = (await r.json())["queue"]["waiting_inputs"]
+                if waiting > 512:
+                    break
+                await asyncio.sleep(0.02)
+        chats = asyncio.ensure_future(_fire(gw.url + "/api/chat", [chat] * 20, 180))
+        return waiting, await first, await chats
+
+    waiting, res, chats = asyncio.run(load_burst())
+    assert waiting > 512  # the chats below arrive with more inputs than max_pending waiting
     assert [r[0] for r in res] == [200] * 300
-    assert all(len(r[2]["embeddings"]) == 1 for r in res)
+    assert all(len(r[2]["embeddings"]) == 2 for r in res)
+    assert [r[0] for r in chats] == [200] * 20, [r[2] for r in chats if r[0] != 200][:2]
 
     cfg = base_config(free_port(), models=[model("demo", cpu=2)], queue={"max_pending": 8})
     gw = gateway_factory(cfg)

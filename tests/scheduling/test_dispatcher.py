@@ -178,21 +178,23 @@ def test_max_pending_zero_rejects_when_full():
         d.submit(t(2))
 
 
-def test_follow_on_tickets_wait_beyond_max_pending_but_count_there():
+def test_follow_on_tickets_wait_beyond_max_pending_and_do_not_count_there():
     """The inputs of an accepted embedding batch (``follow_on``) are never refused by a full
-    queue; they still count in it, so new requests are refused, and they still get slots in
-    order."""
-    d, _ = mk(n_workers=1, slots=1, max_pending=1)
+    queue, and they do not count in it: ``max_pending`` counts requests (Ollama's
+    ``OLLAMA_MAX_QUEUE``; field case 2). They still get slots in order."""
+    d, _ = mk(n_workers=1, slots=1, max_pending=2)
     first = d.submit(t(0))
-    assert d.submit(t(1)) is None  # the one queue place
+    assert d.submit(t(1)) is None  # one request waits
+    assert d.submit(t(3, follow_on=True)) is None and d.submit(t(5, follow_on=True)) is None
+    assert len(d.queue) == 3 and d.queue.requests() == 1
+    assert d.queue.depth_by_priority() == {0: 1}
+    assert d.submit(t(4)) is None  # the second place: the inputs took none
     with pytest.raises(QueueFull):
-        d.submit(t(2))
-    assert d.submit(t(3, follow_on=True)) is None and len(d.queue) == 2
-    with pytest.raises(QueueFull):
-        d.submit(t(4))
+        d.submit(t(6))
     nxt = first.release()
     assert [tk.request_id for tk, _ in nxt] == ["r1"]
     assert [tk.request_id for tk, _ in nxt[0][1].release()] == ["r3"]
+    assert d.queue.requests() == 1 and len(d.queue) == 2  # r4 and the input r5
 
 
 def test_priority_first_and_aging():
