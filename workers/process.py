@@ -239,8 +239,11 @@ class WorkerProcess:
         """Log one worker output line (``worker.output``) at the level llama-server gave it.
 
         llama-server prefixes its log lines with a timestamp and a level letter
-        (``0.00.009.380 E llama_model_load…``): E → error, W → warning, everything else
-        (per-request chatter, trace and debug lines, lines without a prefix) → debug, so the
+        (``0.00.009.380 E llama_model_load…``): E → error, W → warning, and a line without a
+        prefix that starts with ``error`` → error too (its command-line parser writes
+        ``error: invalid argument: --x`` or ``error while handling argument "-c": stoi`` to
+        stderr without one, pinned build common/arg.cpp, and then exits); everything else
+        (per-request chatter, trace and debug lines, other lines without a prefix) → debug, so the
         gateway's info log stays readable; but → info when the operator set the worker's
         verbosity (:attr:`LaunchSpec.operator_verbosity`): they asked the worker for those
         lines, so they appear at the gateway's default level, as ``-lv`` gives them in
@@ -248,7 +251,7 @@ class WorkerProcess:
         """
         parts = text.split(" ", 2)
         level = parts[1] if len(parts) > 2 and len(parts[1]) == 1 else ""
-        if level == "E":
+        if level == "E" or (not level and text.startswith("error")):
             self.log.error("worker.output", stream=stream, line=text)
         elif level == "W":
             self.log.warning("worker.output", stream=stream, line=text)

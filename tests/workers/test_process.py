@@ -108,6 +108,21 @@ def test_worker_errors_reach_the_log_as_errors(tmp_path, monkeypatch, verbosity)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bad", [["--bogus-flag"], ["--flash-attn=on"], ["-c", "abc"]])
+def test_worker_command_line_errors_reach_the_log_as_errors(tmp_path, monkeypatch, bad):
+    """llama-server's argument parser writes its fatal error without a level prefix
+    (``error: invalid argument: --bogus-flag``); it is logged at error level at the quiet
+    verbosity the gateway uses below debug, not dropped at debug (a fresh tester's find)."""
+    monkeypatch.delenv("LLAMA_ARG_LOG_VERBOSITY", raising=False)
+    logs = _run_on_missing_model(tmp_path, spec(
+        binary=ensure_llama_server(), model_path=tmp_path / "missing.gguf", gpus=(),
+        log_verbosity=QUIET_LOG_VERBOSITY, extra_args=bad))
+    errors = [e["line"] for e in logs if e["event"] == "worker.output"
+              and e["log_level"] == "error"]
+    assert any(x.startswith("error") and ("argument" in x) for x in errors), logs[-5:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["args", "env"])
 def test_operator_verbosity_logs_worker_info_lines_at_info(tmp_path, monkeypatch, how):
     """The gateway below debug starts workers quiet; an operator who raised the worker's
