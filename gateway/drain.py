@@ -41,15 +41,25 @@ async def _wait_idle(gw: "Gateway", timeout_s: float) -> int:
 
 
 async def stop_accepting(gw: "Gateway") -> None:
-    """Close the listening sockets and idle keep-alive connections (step 1)."""
+    """Close the listening sockets and idle keep-alive connections (step 1).
+
+    A connection idle between requests (its handler waits for the next request: aiohttp 3.14's
+    ``RequestHandler._waiter``, pinned) is closed at once. aiohttp's own ``pre_shutdown``
+    only cancels that wait, which ends the handler without closing its transport, so a request
+    sent on such a connection afterwards got no answer until the process exited (a fresh
+    tester's find). Busy connections get ``pre_shutdown``'s close after their response."""
     gw.draining = True
     runner = gw.runner
     if runner is None:
         return
     for site in list(runner.sites):
         await site.stop()
-    if runner.server is not None:
-        runner.server.pre_shutdown()
+    server = runner.server
+    if server is not None:
+        for conn in list(server.connections):
+            if getattr(conn, "_waiter", None) is not None:
+                conn.force_close()
+        server.pre_shutdown()
 
 
 async def graceful_stop(gw: "Gateway") -> None:
