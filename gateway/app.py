@@ -147,6 +147,7 @@ class Gateway:
         if self.fleet:
             self.fleet.config = new
             self.fleet.apply_scheduler(new.scheduler)
+            self.fleet.apply_supervision(new.llama_server)
             self.fleet.add_models(models)
         self.inventory = Inventory(models[1])
         if self.runner is not None and "guard" in self.runner.app:

@@ -52,6 +52,22 @@ def _model_args(mcfg) -> list[str]:
     return args
 
 
+def supervision(ls) -> dict:
+    """The ``llama_server`` settings (an LlamaServerConfig) a WorkerSupervisor takes, as its
+    keyword arguments (seconds, counts). The supervisor reads each one when it next needs it."""
+    return dict(startup_timeout_s=ls.startup_timeout_s,
+                backoff_initial_s=ls.restart_backoff_initial_s,
+                backoff_max_s=ls.restart_backoff_max_s,
+                stop_grace_s=ls.stop_grace_s,
+                health_interval_s=ls.health_interval_s,
+                liveness_interval_s=ls.liveness_interval_s,
+                liveness_timeout_s=ls.liveness_timeout_s,
+                wedge_after_stalls=ls.wedge_after_stalls,
+                crash_loop_restarts=ls.crash_loop_restarts,
+                crash_loop_window_s=ls.crash_loop_window_s,
+                failed_retry_s=ls.failed_retry_s)
+
+
 class Fleet:
     """Builds, starts and stops the workers of a config; polls their load.
 
@@ -104,6 +120,16 @@ class Fleet:
         for p in self.pollers.values():
             p.interval_s, p.timeout_s = sc.poll_interval_s, sc.poll_timeout_s
 
+    def apply_supervision(self, ls) -> None:
+        """The ``llama_server`` supervision settings (:func:`supervision`) for every existing
+        worker (on reload): its next start, probe, stop or crash-loop check uses them. A wait
+        already running keeps its length (a startup deadline, a backoff or ``failed_retry_s``
+        sleep), and a worker in backoff continues its doubling from the delay it reached."""
+        settings = supervision(ls)
+        for sup in self.supervisors.values():
+            for key, value in settings.items():
+                setattr(sup, key, value)
+
     def _threads(self, plans: list[WorkerPlan]) -> int | None:
         ls = self.config.llama_server
         if ls.threads:
@@ -128,19 +154,8 @@ class Fleet:
                           log_verbosity=None if self.config.log.level == "debug"
                           else QUIET_LOG_VERBOSITY)
         sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
-                               on_state=self._on_state,
-                               startup_timeout_s=ls.startup_timeout_s,
-                               backoff_initial_s=ls.restart_backoff_initial_s,
-                               backoff_max_s=ls.restart_backoff_max_s,
-                               stop_grace_s=ls.stop_grace_s,
-                               health_interval_s=ls.health_interval_s,
-                               state_dir=self.state_dir,
-                               liveness_interval_s=ls.liveness_interval_s,
-                               liveness_timeout_s=ls.liveness_timeout_s,
-                               wedge_after_stalls=ls.wedge_after_stalls,
-                               crash_loop_restarts=ls.crash_loop_restarts,
-                               crash_loop_window_s=ls.crash_loop_window_s,
-                               failed_retry_s=ls.failed_retry_s)
+                               on_state=self._on_state, state_dir=self.state_dir,
+                               **supervision(ls))
         self.supervisors[plan.id] = sup
         self.plans[plan.id] = plan
         facts = self.model_facts.get(plan.model)

@@ -14,10 +14,19 @@ Then apply only the difference (:func:`gateway.config.diff_plans`):
   workers or wait in the queue, so none is dropped;
 * ``removed`` workers drain and stop.
 
+``llama_server`` supervision settings (startup timeout, restart backoff, stop grace, health
+and liveness probes, crash-loop guard) apply to every existing worker from its next start,
+probe or stop on (:meth:`gateway.fleet.Fleet.apply_supervision`), without restarting it.
+
 What only a restart changes (:data:`RESTART_ONLY`: ``listen``; ``timeouts.header_read_s``,
 which aiohttp fixes per server as its keep-alive timeout when the server starts;
-``llama_server.spare_connections``, fixed when the upstream client starts) keeps its old value:
-each change is logged (``config.reload_needs_restart``) and named in the result's ``notes``.
+``llama_server.spare_connections``, fixed when the upstream client starts;
+``llama_server.binary`` and ``backend``, resolved to one llama-server file when the gateway
+starts) keeps its old value: each change is logged (``config.reload_needs_restart``) and named
+in the result's ``notes``, and no worker restarts for it. The binary is still validated as
+``check-config`` does (:func:`workers.provision.find_llama_server`; nothing is built): a path
+that is missing or not executable rejects the reload, so the file the next start would use is
+known to be good.
 Reloads are serialised; systemd sees ``RELOADING=1`` … ``READY=1``.
 """
 
@@ -30,6 +39,7 @@ from typing import TYPE_CHECKING
 from gateway.config import ConfigError, GatewayConfig, load_config, plan_workers
 from gateway.logs import configure, get_logger
 from workers.gpu import detect_gpus
+from workers.provision import ProvisionError, find_llama_server
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -38,7 +48,19 @@ log = get_logger("gateway.reload")
 
 #: Settings a reload cannot apply (section, key; key None: a top-level setting). See module doc.
 RESTART_ONLY: tuple[tuple[str, str | None], ...] = (
-    ("listen", None), ("timeouts", "header_read_s"), ("llama_server", "spare_connections"))
+    ("listen", None), ("timeouts", "header_read_s"), ("llama_server", "spare_connections"),
+    ("llama_server", "binary"), ("llama_server", "backend"))
+
+
+def check_binary(cfg: GatewayConfig) -> None:
+    """Raise ConfigError (``llama_server.binary: <why>``) when the configured llama-server (or
+    ``$LLAMA_SERVER``) is missing or not executable, as ``check-config`` and ``serve`` refuse
+    it. Finding none at all is not an error here (the running gateway has its own)."""
+    ls = cfg.llama_server
+    try:
+        find_llama_server(ls.binary, None if ls.backend == "auto" else ls.backend)
+    except ProvisionError as e:
+        raise ConfigError(f"llama_server.binary: {e}", cfg.source) from None
 
 
 def _setting(cfg: GatewayConfig, section: str, key: str | None):
@@ -107,6 +129,7 @@ class Reloader:
         log.info("config.reloading", path=self.path)
         try:
             new = await asyncio.to_thread(load_config, self.path)
+            await asyncio.to_thread(check_binary, new)
             plans = plan_workers(new, await asyncio.to_thread(detect_gpus))
             models = await gw.load_models(new)
         except ConfigError as e:
@@ -117,13 +140,12 @@ class Reloader:
             log.error("config.reload_rejected", path=self.path, errors=[str(e)])
             return ReloadResult(False, [f"{self.path}: {e}"])
         old = gw.config
+        new, notes = keep_restart_only(old, new)  # before the diff: a kept binary restarts none
         diff = gw.diff_with(new, plans)
         res = ReloadResult(True, added=[p.id for p in diff.added],
                            changed=[p.id for p in diff.changed],
                            removed=[p.id for p in diff.removed],
-                           unchanged=[p.id for p in diff.unchanged])
-        new, notes = keep_restart_only(old, new)
-        res.notes.extend(notes)
+                           unchanged=[p.id for p in diff.unchanged], notes=notes)
         gw.apply_settings(new, models)
         if (new.log.level, new.log.format) != (old.log.level, old.log.format):
             configure(new.log.level, new.log.format)

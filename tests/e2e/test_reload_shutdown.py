@@ -338,3 +338,76 @@ def test_clean_stop_removes_the_run_directory(gateway_factory):
     assert gw.stop() == 0
     assert not mine.exists()
     assert len(list(theirs.glob("*.pid"))) == 1
+
+
+def _reload(gw, token: str = "t") -> httpx.Response:
+    return httpx.post(gw.url + "/gateway/api/admin/reload",
+                      headers={"Authorization": f"Bearer {token}"}, timeout=120)
+
+
+def test_reload_applies_supervision_settings_to_existing_workers(gateway_factory):
+    """A worker whose 0.05 s startup timeout makes it crash-loop into ``failed`` is unchanged by
+    a reload that only raises ``llama_server.startup_timeout_s`` (no restart), yet its next
+    start (after ``failed_retry_s``) uses the new timeout and becomes ready."""
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      llama_server={"startup_timeout_s": 0.05, "failed_retry_s": 6,
+                                    "crash_loop_restarts": 3, "restart_backoff_initial_s": 0.1,
+                                    "restart_backoff_max_s": 0.2},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 1}])
+    gw = gateway_factory(cfg, wait=False)
+    end = time.monotonic() + 60
+    w = None
+    while time.monotonic() < end:
+        w = gw.workers()[0]
+        if w["state"] == "failed":
+            break
+        time.sleep(0.05)
+    assert w is not None and w["state"] == "failed", w
+    assert "startup timeout after 0.05 s" in w["detail"], w
+    cfg["llama_server"]["startup_timeout_s"] = 180
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    r = _reload(gw)
+    assert r.status_code == 200 and r.json()["ok"], r.text
+    assert r.json()["unchanged"] == ["demo-cpu0"] and r.json()["changed"] == []
+    ws = gw.wait_ready(60)
+    assert ws[0]["state"] == "ready"
+    g = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "x", "raw": True,
+                   "stream": False, "options": {"num_predict": 3}}, timeout=30)
+    assert g.status_code == 200, g.text
+
+
+def test_reload_validates_binary_and_keeps_it_until_restart(tmp_path, gateway_factory):
+    """A reload with a ``llama_server.binary`` that does not exist is rejected like
+    ``check-config`` rejects it (400, nothing changes); one naming another usable binary is
+    accepted, restarts no worker, and names the binary in ``notes`` as needing a restart (the
+    workers keep running the binary the gateway started with)."""
+    real = ensure_llama_server()
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    before = gw.workers()[0]
+    exe = os.path.realpath(f"/proc/{before['pid']}/exe")
+    assert exe == os.path.realpath(real)
+
+    cfg["llama_server"]["binary"] = "/nonexistent/llama-server"
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    r = _reload(gw)
+    assert r.status_code == 400, r.text
+    assert any("llama_server.binary:" in e and "does not exist or is not a file" in e
+               for e in r.json()["errors"]), r.text
+
+    other = tmp_path / "llama-server-link"
+    other.symlink_to(real)
+    cfg["llama_server"]["binary"] = str(other)
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    r = _reload(gw)
+    assert r.status_code == 200 and r.json()["ok"], r.text
+    assert r.json()["changed"] == [] and r.json()["unchanged"] == ["demo-cpu0"], r.text
+    assert [n for n in r.json()["notes"] if n.startswith("llama_server.binary: ")] == \
+        [f"llama_server.binary: None -> {str(other)!r} needs a restart; still None"], r.text
+    time.sleep(1.0)
+    after = gw.workers()[0]
+    assert after["pid"] == before["pid"] and after["state"] == "ready", after
+    assert os.path.realpath(f"/proc/{after['pid']}/exe") == exe
