@@ -128,10 +128,17 @@ class Sample:
 
 
 def build_load(at: float, slots: list[SlotState], metrics: dict[str, float],
-               progress: Progress) -> WorkerLoad:
-    """Derive the scheduler's WorkerLoad from one poll (pure)."""
+               progress: Progress, fresh_metrics: bool = True) -> WorkerLoad:
+    """Derive the scheduler's WorkerLoad from one poll (pure).
+
+    ``fresh_metrics``: whether ``metrics`` were read in this poll. Throughput (``decode_tps``)
+    moves only on polls that read them: on the others ``metrics`` are the last poll's, and a
+    request that ended since then has left the slots' ``n_decoded`` without being in the old
+    ``tokens_predicted_total`` yet, so progress would fall and then jump (a fresh tester saw
+    readings 1.9× the worker's possible rate, in a 4-poll cycle)."""
     decoded_now = sum(s.n_decoded for s in slots)
-    tps = progress.update(at, metrics.get("tokens_predicted_total", 0.0) + decoded_now)
+    tps = (progress.update(at, metrics.get("tokens_predicted_total", 0.0) + decoded_now)
+           if fresh_metrics else progress.tps)
     return WorkerLoad(at=at, processing=sum(1 for s in slots if s.busy),
                       kv_tokens=sum(s.kv_tokens for s in slots),
                       deferred=int(metrics.get("requests_deferred", 0)), decode_tps=tps,
@@ -200,7 +207,8 @@ class WorkerPoller:
         try:
             async with session.get(ep.url + "/slots", headers=headers, timeout=timeout) as r:
                 slots = parse_slots(await r.json(content_type=None)) if r.status == 200 else []
-            if self.last is None or self._polls % self.metrics_every == 0:
+            fresh = self.last is None or self._polls % self.metrics_every == 0
+            if fresh:
                 async with session.get(ep.url + "/metrics", headers=headers, timeout=timeout) as r:
                     metrics = parse_metrics(await r.text()) if r.status == 200 else {}
             else:
@@ -219,7 +227,8 @@ class WorkerPoller:
         if self.gpus and self.read_gpus is not None:
             stats = await asyncio.to_thread(self.read_gpus)
             gpus = {i: stats[i] for i in self.gpus if i in stats}
-        sample = Sample(at, slots, metrics, build_load(at, slots, metrics, self.progress), gpus)
+        sample = Sample(at, slots, metrics,
+                        build_load(at, slots, metrics, self.progress, fresh), gpus)
         self.last = sample
         return sample
 

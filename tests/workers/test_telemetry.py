@@ -11,8 +11,8 @@ import pytest
 
 from gateway.scheduling import WorkerLoad
 from workers import gpu
-from workers.telemetry import (Progress, WorkerPoller, build_load, parse_metrics, parse_slot,
-                               parse_slots)
+from workers.telemetry import (Progress, SlotState, WorkerPoller, build_load, parse_metrics,
+                               parse_slot, parse_slots)
 
 CURRENT = [  # shape of this build (0c1e570), captured from a running worker
     {"id": 0, "n_ctx": 2048, "speculative": False, "is_processing": False},
@@ -67,6 +67,25 @@ def test_metrics_and_load():
     later = [dict(CURRENT[0]), dict(CURRENT[1], next_token=[{"n_decoded": 866}])]
     load2 = build_load(10.5, parse_slots(later), m, p)
     assert load2.decode_tps == pytest.approx(200.0)  # 100 tokens in 0.5 s
+
+
+def test_throughput_moves_only_with_fresh_metrics():
+    """A worker decoding 1,000 tokens/s in requests of 250 tokens (a new one starts every
+    0.25 s), polled every 0.25 s mid-request with /metrics read every 4th poll, as
+    WorkerPoller does: the reading stays at the real rate. With the stale counter used on the
+    other polls it swung between 0 and several times the real rate (a fresh tester's find)."""
+    p = Progress()
+    readings = []
+    for k in range(40):
+        at = k * 0.25 + 0.125  # mid-request: the running slot has decoded 125 tokens
+        fresh = k % 4 == 0
+        counted = k if fresh else k - k % 4  # requests ended by the poll whose /metrics we hold
+        metrics = {"tokens_predicted_total": 250.0 * counted}
+        running = [SlotState(id=0, n_ctx=2048, busy=True, kv_tokens=0, n_decoded=125,
+                             n_cached=0)]
+        readings.append(build_load(at, running, metrics, p, fresh).decode_tps)
+    assert all(r == pytest.approx(1000.0) for r in readings[8:]), readings
+    assert max(readings[8:]) <= 1100 and min(readings[8:]) >= 900, readings
 
 
 class FakeNvml(types.ModuleType):
