@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gateway.api.common import read_json
 from gateway.api.errors import ApiError
-from gateway.api.ollama import prepare_ndjson
+from gateway.api.ollama import _stream_flag, prepare_ndjson
 
 NOT_SUPPORTED = ("{what} is not supported by llama-gateway: models are served from the files "
                  "listed in gateway.yaml (add a model there and reload)")
@@ -29,6 +29,7 @@ def _name(body: dict) -> str:
 async def pull(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     name = _name(body)
+    stream = _stream_flag(body)  # 400 "stream must be a boolean", as on the other routes
     entry = request.app["gw"].inventory.resolve(name)
     if entry is None:
         raise ApiError(404, f"pull model manifest: model '{name}' is not configured; "
@@ -38,7 +39,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
               "total": entry.size, "completed": entry.size},
              {"status": "verifying sha256 digest"}, {"status": "writing manifest"},
              {"status": "success"}]
-    if body.get("stream") is False:
+    if not stream:
         return web.Response(body=orjson.dumps(steps[-1]), content_type="application/json")
     out = await prepare_ndjson(request)
     for s in steps:

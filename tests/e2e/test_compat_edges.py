@@ -77,3 +77,13 @@ def test_v1_wrong_types_are_400(gw, field, value, msg):
     r = httpx.post(gw.url + "/v1/chat/completions", json={
         "model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value})
     assert r.status_code == 400 and r.json()["error"]["message"] == msg
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/api/pull", {"model": "demo"}), ("/api/generate", {"model": "demo", "prompt": "hi"}),
+    ("/api/chat", {"model": "demo", "messages": [{"role": "user", "content": "hi"}]})])
+def test_ollama_stream_must_be_a_boolean(gw, path, body):
+    """``"stream": "x"`` is a 400 on every Ollama route that streams (``/api/pull`` answered
+    200 and streamed; a fresh tester's find)."""
+    r = httpx.post(gw.url + path, json={**body, "stream": "x"}, timeout=30)
+    assert r.status_code == 400 and r.json() == {"error": "stream must be a boolean"}
