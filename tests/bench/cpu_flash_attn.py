@@ -21,19 +21,21 @@ on their own CPU the same way (the default measures the demo model).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.conftest import wait_health  # noqa: E402
 from workers.demo_model import ensure_demo_model  # noqa: E402
 from workers.process import free_port  # noqa: E402
 from workers.provision import ensure_llama_server  # noqa: E402
@@ -51,15 +53,17 @@ def start(fa: str, model: Path) -> tuple[subprocess.Popen, str]:
          "-t", "1", "--port", str(port), "-fa", fa, "--no-webui"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("llama-server did not become ready")
+
+    async def ready() -> None:
+        async with aiohttp.ClientSession() as session:
+            await wait_health(session, url)
+
+    try:
+        asyncio.run(ready())
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc, url
 
 
 def timings(url: str, system: str, user: str, max_tokens: int = 1) -> dict:
