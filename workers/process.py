@@ -184,6 +184,15 @@ class LaunchSpec:
         return env
 
 
+# llama-server 'W' lines that are routine per-request chatter, logged like its info lines:
+# a prompt that is all in the slot's cache (a repeated or regenerated prompt) gets two
+# (server-context.cpp, [TAG_PROMPT_LOGITS]: "need to evaluate at least 1 token …" and "n_past
+# was set to …"), and a model with context checkpoints (SWA, hybrid) drops its oldest one
+# ("erasing old context checkpoint") as a matter of course.
+ROUTINE_WARNINGS = ("need to evaluate at least 1 token for each active slot", "n_past was set to ",
+                    "erasing old context checkpoint")
+
+
 class WorkerProcess:
     """A started llama-server. ``url`` and ``api_key`` are what the upstream client needs."""
 
@@ -243,8 +252,9 @@ class WorkerProcess:
         prefix that starts with ``error`` → error too (its command-line parser writes
         ``error: invalid argument: --x`` or ``error while handling argument "-c": stoi`` to
         stderr without one, pinned build common/arg.cpp, and then exits); everything else
-        (per-request chatter, trace and debug lines, other lines without a prefix) → debug, so the
-        gateway's info log stays readable; but → info when the operator set the worker's
+        (per-request chatter, including the routine 'W' lines of :data:`ROUTINE_WARNINGS`,
+        trace and debug lines, other lines without a prefix) → debug, so the gateway's info log
+        stays readable; but → info when the operator set the worker's
         verbosity (:attr:`LaunchSpec.operator_verbosity`): they asked the worker for those
         lines, so they appear at the gateway's default level, as ``-lv`` gives them in
         llama-server's own output.
@@ -253,7 +263,7 @@ class WorkerProcess:
         level = parts[1] if len(parts) > 2 and len(parts[1]) == 1 else ""
         if level == "E" or (not level and text.startswith("error")):
             self.log.error("worker.output", stream=stream, line=text)
-        elif level == "W":
+        elif level == "W" and not any(b in text for b in ROUTINE_WARNINGS):
             self.log.warning("worker.output", stream=stream, line=text)
         elif self._operator_verbosity:
             self.log.info("worker.output", stream=stream, line=text)

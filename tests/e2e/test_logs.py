@@ -160,3 +160,22 @@ def test_raised_worker_verbosity_logs_worker_info_lines_at_info(gw):
     launched = wait_for(gw, lambda e: e["event"] == "worker.output" and e["worker"] == worker
                         and " I " in e["line"] and "processing task" in e["line"])
     assert launched and all(e["level"] == "info" for e in launched), launched[:3]
+
+
+def test_a_repeated_prompt_logs_no_worker_warning(gw):
+    """A prompt the worker has all in its slot's cache (sent again, as a chat UI's
+    "regenerate" does) makes llama-server write two 'W' lines ("need to evaluate at least 1
+    token …", "n_past was set to …"); they are routine per-request chatter, logged like the
+    worker's info lines (here at info: the operator raised the workers' verbosity), never at
+    warning. Before this, every such request put two warnings in the gateway's log."""
+    body = {"model": "demo", "prompt": "the same prompt again and again", "raw": True,
+            "stream": False, "options": {"num_predict": 2, "seed": 1}}
+    for i in range(4):
+        r = httpx.post(gw.url + "/api/generate", headers={"X-Request-ID": f"repeat-{i}"},
+                       timeout=60, json=body)
+        assert r.status_code == 200, r.text
+    wait_for(gw, lambda e: e["event"] == "request.done" and e.get("request_id") == "repeat-3")
+    routine = wait_for(gw, lambda e: e["event"] == "worker.output" and (
+        "need to evaluate at least 1 token" in e["line"] or "n_past was set to" in e["line"]))
+    assert len(routine) >= 2, "no repeated prompt was a full cache hit on its worker"
+    assert all(e["level"] == "info" for e in routine), routine[:3]
