@@ -269,10 +269,27 @@ class Fleet:
             self.admission.worker_failed(sup.id, failed, sup.retry_at)
 
     def note_stall(self, worker_id: str) -> None:
-        """Watchdog: a request on this worker stalled (liveness evidence)."""
+        """Watchdog: a request on this worker stalled (liveness evidence). Called while the
+        stalled request still holds its lease, before it is cancelled.
+
+        When that request held the worker's last free slot (``WorkerView.all_slots_taken``:
+        a single-slot worker always, a multi-slot one whose other slots are busy), the
+        supervisor checks the worker at once instead of after ``wedge_after_stalls`` stalls in
+        a row. The gateway is the worker's only client, so once the request is cancelled no
+        slot should stay busy: a worker that answers ``/health`` but never frees the slot
+        (field case 10, a silent worker) has no slot left for anyone, takes no stall of
+        another request that could complete a streak, and would stay in rotation unusable.
+        The check (``workers.stall_check``) waits up to ``liveness_timeout_s`` for a slot to
+        free, which llama-server does within about 0.5 s (streamed) or 2 s (not) of the
+        cancel, so a worker that only went silent for that request passes and is kept; one
+        whose slots stay busy with nothing moving is restarted. A stall that leaves other
+        slots free counts toward the streak as before. Decided here, not in the watchdog or
+        the supervisor: the dispatcher's view (pure, ``gateway.scheduling``) knows the leases
+        and the polled slots, the supervisor does the I/O."""
         sup = self.supervisors.get(worker_id)
         if sup is not None:
-            sup.note_stall()
+            view = self.admission.dispatcher.workers.get(worker_id)
+            sup.note_stall(no_free_slot=view is not None and view.all_slots_taken)
 
     def note_progress(self, worker_id: str) -> None:
         """Watchdog: a request on this worker received data."""

@@ -1,12 +1,13 @@
-"""Does a worker whose requests stalled still work? Asked before a stall streak restarts it.
+"""Does a worker whose requests stalled still work? Asked before stalls restart it.
 
 The watchdog sees requests that stall, not why: a request can make llama-server go silent for
 itself alone (the pinned build never answered ``n`` ≥ 2 with an empty prompt), or the worker
 can stop working for everyone. ``wedge_after_stalls`` stalls in a row used to restart the
 worker either way, so a client could restart workers at will. Now the supervisor first runs
 ``check_worker`` (bounded by ``llama_server.liveness_timeout_s``); only a worker that fails it
-is restarted. Two reads, checked against the pinned llama-server (llama.cpp ``0c1e570``,
-``tools/server/``):
+is restarted. It runs after that streak, or after a single stall of a request that held the
+worker's last free slot (``gateway.fleet.Fleet.note_stall``). Two reads, checked against the
+pinned llama-server (llama.cpp ``0c1e570``, ``tools/server/``):
 
 1. ``GET /lora-adapters`` answers 200. Its handler (``server-context.cpp``,
    ``get_lora_adapters``) posts a ``SERVER_TASK_TYPE_GET_LORA`` task and waits for the result.

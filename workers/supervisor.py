@@ -12,11 +12,12 @@ Liveness beyond ``/health`` (field case 11: ``/health`` ok, ``/slots`` hangs, SI
 ignored): a ready worker's ``/slots`` is probed every ``liveness_interval_s`` with a
 ``liveness_timeout_s`` timeout, 2 failures in a row mark it wedged; the gateway's watchdog
 reports stalled requests (``note_stall``), and ``wedge_after_stalls`` of them in a row with no
-token in between (``note_progress``) make the supervisor check the worker itself
-(``workers.stall_check.check_worker``: its main loop answers and its slots are free or moving,
-within ``liveness_timeout_s``): a worker that fails is wedged; one that passes is kept, the
-stalls are taken as the requests' own (``worker.stall_not_wedged``) and the streak starts
-again from 0. Crash loop: ``crash_loop_restarts``
+token in between (``note_progress``), or a single one that held the worker's last free slot
+(the gateway decides that: ``gateway.fleet.Fleet.note_stall``), make the supervisor check the
+worker itself (``workers.stall_check.check_worker``: its main loop answers and its slots are
+free or moving, within ``liveness_timeout_s``): a worker that fails is wedged; one that passes
+is kept, the stalls are taken as the requests' own (``worker.stall_not_wedged``) and the streak
+starts again from 0. Crash loop: ``crash_loop_restarts``
 restarts within ``crash_loop_window_s`` → ``failed`` for ``failed_retry_s``, then retried
 (``retry_at`` says when, in ``time.monotonic`` seconds).
 
@@ -214,11 +215,13 @@ class WorkerSupervisor:
             self._restart_times.popleft()
         return len(self._restart_times) >= self.crash_loop_restarts
 
-    def note_stall(self) -> None:
-        """A request on this worker stalled (watchdog). ``wedge_after_stalls`` in a row → the
-        worker is checked (module doc) and restarted only if the check fails."""
+    def note_stall(self, no_free_slot: bool = False) -> None:
+        """A request on this worker stalled (watchdog). ``wedge_after_stalls`` in a row, or
+        one that held the worker's last free slot (``no_free_slot``, decided by the gateway:
+        ``gateway.fleet.Fleet.note_stall``) → the worker is checked (module doc) and
+        restarted only if the check fails."""
         self.stalls += 1
-        if self.ready and self.stalls >= self.wedge_after_stalls:
+        if self.ready and (no_free_slot or self.stalls >= self.wedge_after_stalls):
             self._stall_check.set()
 
     def note_progress(self) -> None:
@@ -263,9 +266,10 @@ class WorkerSupervisor:
 
     async def _check_after_stalls(self, proc: WorkerProcess, http: aiohttp.ClientSession,
                                   headers: dict, exit_task: asyncio.Task) -> str | None:
-        """A stall streak reached ``wedge_after_stalls``: check the worker (module doc). Returns
-        the wedge reason when it failed; when it passed, logs ``worker.stall_not_wedged`` and
-        starts the streak again (stalls noted during the check are covered by it)."""
+        """A stall streak reached ``wedge_after_stalls``, or a stall left no free slot: check
+        the worker (module doc). Returns the wedge reason when it failed; when it passed, logs
+        ``worker.stall_not_wedged`` and starts the streak again (stalls noted during the check
+        are covered by it)."""
         streak = self.stalls
         t0 = time.monotonic()
         failed = await check_worker(http, proc.url, headers, self.liveness_timeout_s)
@@ -273,6 +277,8 @@ class WorkerSupervisor:
         if exit_task.done() or self._stopping:
             return None
         if failed is not None:
+            if streak < self.wedge_after_stalls:
+                return f"a stalled request held its last free slot and {failed}"
             return f"{streak} requests in a row stalled and {failed}"
         self.log.warning("worker.stall_not_wedged", stalls=streak, check_ms=took_ms,
                          pid=proc.pid)

@@ -166,6 +166,18 @@ class WorkerView:
         return max(0, min(self.slots - busy, self.load.processing - busy - since))
 
     @property
+    def all_slots_taken(self) -> bool:
+        """Whether no slot is free as far as the gateway knows: its live leases (``busy``)
+        plus the slots the last poll saw busy beyond them (``phantom``) fill all ``slots``.
+        Unlike ``free`` it ignores rotation (a worker being drained can be full too).
+
+        The gateway asks it when a request on the worker stalls, while that request still
+        holds its lease (``gateway.fleet.Fleet.note_stall``): True then means the stalled
+        request held the worker's last free slot, so if the worker never frees that slot
+        (field case 10, "accepted but never scheduled") it can take no more work."""
+        return self.busy + self.phantom >= self.slots
+
+    @property
     def prefill_backlog(self) -> int:
         """Prompt tokens the worker still has to compute before the first tokens of its live
         leases: the ``prefill_tokens`` estimates of leases that have not had a first token

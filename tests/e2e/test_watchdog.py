@@ -53,8 +53,9 @@ def log_events(path) -> list[dict]:
 
 def test_silent_worker_requests_move_elsewhere(tmp_path, gateway_factory):
     """Case 10: a worker answers /health but never replies to completions. Requests sent to
-    it time out on first byte and are retried on the other worker; after 2 stalls in a row
-    the silent worker is restarted."""
+    it time out on first byte and are retried on the other worker; the silent worker is
+    checked and restarted (with 1 slot, after its first stall: that request held its last
+    free slot, which it never frees)."""
     binary = fake_binary(tmp_path, "silent", real=str(ensure_llama_server()))
     cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
                                                   "wedge_after_stalls": 2, "stop_grace_s": 2},
@@ -210,6 +211,53 @@ def test_non_streamed_v1_on_a_silent_worker_is_retried_or_failed_like_a_stream(t
     assert time.monotonic() - t0 < 10  # 3 tries of 1 s, not timeouts.request_s (3600 s)
 
 
+def test_a_request_silencing_every_single_slot_worker_gets_504_and_they_recover(
+        tmp_path, gateway_factory):
+    """Case 10 with every worker silent, found by a fresh tester: 2 FAKE silent workers × 1
+    slot (their restarts are real llama-server processes). The request stalls on one worker,
+    then on the other, then (its third try, back on a worker it tried) again, and gets its 504
+    JSON after about 3 × ``first_byte_s``, not a 503 at ``queue.timeout_s``. Each stall held
+    its worker's last free slot, which the FAKE never frees although the gateway cancelled the
+    request, so each worker is checked after that one stall (not after ``wedge_after_stalls``
+    2 in a row, which one of them never reached): both fail (a busy slot, nothing moving) and
+    are restarted, and a later request is answered. Before, the worker with one stall stayed
+    in rotation with its slot leaked and was never checked."""
+    binary = fake_binary(tmp_path, "silent", real=str(ensure_llama_server()), fakes=2)
+    # liveness_timeout_s (the check's length) outlasts the 3 tries, so all 3 meet FAKEs
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
+                                                  "wedge_after_stalls": 2, "stop_grace_s": 2,
+                                                  "liveness_timeout_s": 6},
+                      timeouts={"first_byte_s": 1.5}, queue={"timeout_s": 60})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    fakes = gw.workers()
+    assert len(fakes) == 2 and all(is_fake(w["pid"]) for w in fakes), fakes
+    body = {"model": "demo", "prompt": "hi", "raw": True, "stream": False,
+            "options": {"num_predict": 4}}
+    t0 = time.monotonic()
+    r = httpx.post(gw.url + "/api/generate", json=body, timeout=90)
+    took = time.monotonic() - t0
+    assert r.status_code == 504, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json() in [{"error": f"worker {w['id']} sent nothing within 1.5 s"} for w in fakes]
+    assert 4.3 <= took < 12, took  # 3 tries of 1.5 s; queue.timeout_s is 60
+    for f in fakes:  # each restarted, as a real llama-server, because its check failed
+        w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == f["id"]
+                                   and x["state"] == "ready" and x["pid"] != f["pid"]), None),
+                     60, f"worker {f['id']} restarted")
+        assert w["wedges"] == 1 and not is_fake(w["pid"]) and not pid_alive(f["pid"]), w
+    wedged = [e for e in log_events(gw.log_path) if e.get("event") == "worker.wedged"]
+    assert sorted(e["worker"] for e in wedged) == sorted(f["id"] for f in fakes), wedged
+    assert all(e["reason"].startswith("a stalled request held its last free slot and every "
+                                      "slot stayed busy with no progress") for e in wedged), wedged
+    t0 = time.monotonic()
+    r = httpx.post(gw.url + "/api/generate", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["done_reason"] == "length", r.text
+    assert r.json()["eval_count"] == 4 and time.monotonic() - t0 < 10
+    st = gw.status()
+    assert st["queue"]["depth"] == 0 and all(x["busy"] == 0 for x in st["workers"])
+
+
 def test_requests_that_stall_on_a_working_worker_do_not_restart_it(tmp_path, gateway_factory):
     """A request that makes a worker go silent for itself alone (the FAKE in mode ``marker``:
     silent for completions holding ``STALL-ME``, healthy otherwise) stalls on every try and
@@ -260,8 +308,10 @@ def test_requests_that_stall_on_a_working_worker_do_not_restart_it(tmp_path, gat
 
 def test_a_frozen_worker_is_still_restarted_when_requests_stall_on_it(tmp_path, gateway_factory):
     """A real llama-server frozen with SIGSTOP: requests sent to it stall and are retried on
-    the other worker; after 2 stalls the check finds its main loop silent and it is restarted
-    (the periodic /slots probe is slowed down here, so the stall check is what catches it)."""
+    the other worker; the check finds its main loop silent and it is restarted (the periodic
+    /slots probe is slowed down here, so the stall check is what catches it). With 1 slot the
+    check runs after the first stall (that request held its last free slot), not after
+    ``wedge_after_stalls`` (2)."""
     cfg = base_config(free_port(), llama_server={
         "threads": 1, "liveness_interval_s": 300, "liveness_timeout_s": 2, "stop_grace_s": 1},
         timeouts={"first_byte_s": 1.0}, scheduler={"prefix_affinity": False})
@@ -291,8 +341,8 @@ def test_a_frozen_worker_is_still_restarted_when_requests_stall_on_it(tmp_path, 
     assert w["wedges"] == 1
     wedged = [e for e in log_events(gw.log_path) if e.get("event") == "worker.wedged"]
     assert len(wedged) == 1 and wedged[0]["worker"] == victim["id"], wedged
-    assert wedged[0]["reason"] == ("2 requests in a row stalled and its main loop "
-                                   "(GET /lora-adapters) did not answer within 2 s")
+    assert wedged[0]["reason"] == ("a stalled request held its last free slot and its main "
+                                   "loop (GET /lora-adapters) did not answer within 2 s")
 
 
 def test_wedged_worker_streams_end_with_error_and_it_restarts(tmp_path, gateway_factory):

@@ -10,18 +10,21 @@ FAKE = Path(__file__).with_name("fake_llama_server.py")
 
 
 def fake_binary(tmp_path: Path, mode: str, *, first_only: bool = True, real: str | None = None,
-                extra: str = "") -> Path:
+                extra: str = "", fakes: int = 1) -> Path:
     """A llama-server stand-in script for ``llama_server.binary``.
 
-    ``first_only``: only the first process spawned through it is the FAKE (``mode``); every
-    later spawn (the other worker, restarts) execs the real llama-server ``real``.
+    ``first_only``: only the first ``fakes`` processes spawned through it are the FAKE
+    (``mode``); every later spawn (the other workers, restarts) execs the real llama-server
+    ``real``. Without it every spawn is the FAKE.
     """
     script = tmp_path / f"fake-llama-server-{mode}"
     fake = f"exec '{sys.executable}' '{FAKE}' --fake-mode {mode} {extra} \"$@\""
     if first_only:
-        assert real is not None
-        lock = tmp_path / f"fake-{mode}.lock"
-        body = f"if mkdir '{lock}' 2>/dev/null; then\n  {fake}\nfi\nexec '{real}' \"$@\"\n"
+        assert real is not None and fakes >= 1
+        locks = [tmp_path / f"fake-{mode}.lock"] + [tmp_path / f"fake-{mode}-{i}.lock"
+                                                     for i in range(1, fakes)]
+        body = "".join(f"if mkdir '{lock}' 2>/dev/null; then\n  {fake}\nfi\n" for lock in locks)
+        body += f"exec '{real}' \"$@\"\n"
     else:
         body = fake + "\n"
     script.write_text("#!/bin/sh\n" + body)

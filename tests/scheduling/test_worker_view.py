@@ -64,3 +64,28 @@ def test_polled_kv_fill_of_released_requests_does_not_block_new_ones():
     now[0] = 1.3  # a later poll counts again (e.g. requests the gateway did not send)
     d.update_load("w0", WorkerLoad(at=1.3, processing=4, kv_tokens=8000))
     assert w.kv_used == 8000
+
+
+def test_all_slots_taken_counts_leases_and_slots_busy_beyond_them():
+    """What the gateway asks when a request on a worker stalls, while it still holds its lease
+    (``Fleet.note_stall``): True when that request held the worker's last free slot."""
+    now = [0.0]
+    d = Dispatcher(lambda: now[0], max_pending=4)
+    d.add_worker("one", "m1", 1)
+    d.add_worker("two", "m2", 2)
+    for w in ("one", "two"):
+        d.set_ready(w, True)
+    one, two = d.workers["one"], d.workers["two"]
+    assert not one.all_slots_taken and not two.all_slots_taken
+    d.submit(Ticket("a", "m1"))
+    assert one.all_slots_taken  # a single slot: a request on it holds the last one
+    d.set_draining("one", True)
+    assert one.all_slots_taken and one.free == 0  # rotation does not matter
+    stalled = d.submit(Ticket("b", "m2"))
+    assert stalled.worker is two and not two.all_slots_taken  # its other slot is free
+    now[0] = 1.0  # a poll sees both slots of "two" busy: one of them leaked by an earlier stall
+    d.update_load("two", WorkerLoad(at=1.0, processing=2))
+    assert two.phantom == 1 and two.all_slots_taken
+    now[0] = 1.1
+    stalled.release()  # released after that poll: its slot is not counted as leaked
+    assert two.phantom == 1 and not two.all_slots_taken
