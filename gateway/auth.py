@@ -9,7 +9,13 @@
   gets 403. Same rules as Ollama's ``allowedHostsMiddleware``/``allowedHost`` (server/routes.go):
   an IP that is loopback, private or unspecified, ``localhost``, this machine's hostname, or a
   name ending in ``.localhost``, ``.local`` or ``.internal``.
-* CORS: off unless ``http.cors_origins`` lists origins (or ``"*"``).
+* Origins (CORS), as Ollama (server/routes.go: gin-contrib/cors with ``envconfig.AllowedOrigins``
+  and browser extensions allowed): a request whose ``Origin`` is neither its own origin (the
+  ``Host`` it was sent to) nor an allowed one gets 403, whatever its method, so a web page
+  cannot make the gateway generate with a "simple" request that needs no preflight. Allowed:
+  :data:`DEFAULT_ORIGINS` (local pages on any port, desktop apps, editors' webviews, browser
+  extensions) plus ``http.cors_origins`` (``*`` inside an entry matches any text; ``"*"`` alone
+  allows every origin); allowed cross-origin responses carry ``Access-Control-Allow-Origin``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import re
 import secrets
 import socket
 import time
@@ -210,24 +217,54 @@ class HostCheck:
 CORS_METHODS = "GET, POST, PUT, DELETE, OPTIONS, HEAD"
 CORS_HEADERS = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, X-Request-ID, X-Priority"
 
+# Origins Ollama allows without OLLAMA_ORIGINS (envconfig.AllowedOrigins: localhost, 127.0.0.1
+# and 0.0.0.0 over http and https, with any port or none; app://, file://, tauri://,
+# vscode-webview://, vscode-file://) and the browser-extension schemes gin-contrib/cors adds
+# for AllowBrowserExtensions (config.go ExtensionSchemas), which Ollama sets.
+DEFAULT_ORIGINS: tuple[str, ...] = tuple(
+    f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "0.0.0.0")
+    for scheme in ("http", "https") for port in ("", ":*")) + (
+    "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
+    "chrome-extension://*", "safari-extension://*", "moz-extension://*",
+    "ms-browser-extension://*")
+
 
 class Cors:
-    """``http.cors_origins``: which browser origins get CORS headers (none by default)."""
+    """Which ``Origin`` values may use the gateway (module doc): :data:`DEFAULT_ORIGINS` plus
+    ``http.cors_origins``, and always a request's own origin. Matching ignores case; ``*`` in a
+    pattern matches any run of characters."""
 
     def __init__(self, config: GatewayConfig):
-        self.origins = frozenset(config.http.cors_origins)
-        self.any = "*" in self.origins
+        extra = tuple(config.http.cors_origins)
+        self.any = "*" in extra
+        patterns = [p.lower() for p in DEFAULT_ORIGINS + extra if p != "*"]
+        self._exact = frozenset(p for p in patterns if "*" not in p)
+        wild = [".*".join(map(re.escape, p.split("*"))) for p in patterns if "*" in p]
+        self._wild = re.compile("|".join(wild)) if wild else None
 
-    def allow(self, origin: str | None) -> str | None:
-        """The ``Access-Control-Allow-Origin`` value for ``origin``, or None (no CORS)."""
-        if not origin or not self.origins:
+    def allow(self, origin: str | None, host: str = "") -> str | None:
+        """The ``Access-Control-Allow-Origin`` value for ``origin`` (``"*"`` when every origin
+        is allowed, else the origin itself), or None: no Origin, or one not allowed. ``host``:
+        the request's ``Host``; ``http(s)://<host>`` is the request's own origin."""
+        if not origin:
             return None
         if self.any:
             return "*"
-        return origin if origin.lower() in self.origins else None
+        o = origin.lower()
+        if o in self._exact or (self._wild is not None and self._wild.fullmatch(o)):
+            return origin
+        if host and o in (f"http://{host.lower()}", f"https://{host.lower()}"):
+            return origin
+        return None
 
-    def headers(self, origin: str | None, preflight: bool) -> dict[str, str]:
-        allow = self.allow(origin)
+    def refused(self, origin: str | None, host: str) -> bool:
+        """True for a request that carries an ``Origin`` that is not allowed (answer 403)."""
+        return bool(origin) and self.allow(origin, host) is None
+
+    def headers(self, origin: str | None, preflight: bool, host: str = "") -> dict[str, str]:
+        """CORS response headers for an allowed ``origin`` ({} otherwise); with ``preflight``
+        also the allowed methods and headers and their cache time (600 s)."""
+        allow = self.allow(origin, host)
         if allow is None:
             return {}
         h = {"Access-Control-Allow-Origin": allow, "Vary": "Origin"}

@@ -579,8 +579,10 @@ def _v_origins(v: object) -> list[str]:
         raise _Invalid(((), f'expected a list of origins like ["http://localhost:3000"], got {_got(v)}'))
     errs: list[tuple[Loc, str]] = []
     for i, item in enumerate(v):
-        if not (isinstance(item, str) and (item == "*" or re.fullmatch(r"https?://[^/\s]+", item))):
-            errs.append(((i,), f'expected "*" or an origin like "http://host:port" (no path), got {_got(item)}'))
+        if not (isinstance(item, str) and (item == "*" or re.fullmatch(
+                r"[A-Za-z][A-Za-z0-9+.\-]*://[^/\s]+", item))):
+            errs.append(((i,), 'expected "*" or an origin like "http://host:port" or '
+                               f'"chrome-extension://*" (no path), got {_got(item)}'))
     if errs:
         raise _Invalid(*errs)
     return [o.lower() for o in v]
@@ -646,7 +648,10 @@ class HttpConfig(_Section):
     """Browser-facing HTTP rules (``http:``)."""
 
     cors_origins: Annotated[list[str], PlainValidator(_v_origins)] = Field(default_factory=list)
-    """Origins allowed by CORS (e.g. "http://localhost:3000", or "*"); [] = CORS off."""
+    """Origins allowed besides Ollama's defaults (``gateway.auth.DEFAULT_ORIGINS``: local pages,
+    apps, editors' webviews, browser extensions), e.g. "https://chat.example.com",
+    "http://192.168.1.*:*"; ``*`` matches any text, "*" alone every origin. A request from any
+    other origin (``Origin`` header, not the gateway's own) gets 403, as with Ollama."""
     check_host: StrictBool = True
     """When listening on a loopback address, answer 403 to a Host header that is not local
     (DNS-rebinding defence, as Ollama's allowedHostsMiddleware)."""

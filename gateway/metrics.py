@@ -207,8 +207,9 @@ class LiveCollector:
         seq_tps = GaugeMetricFamily(f"{PREFIX}_worker_sequence_tokens_per_second",
                                     "Measured decode rate of one sequence (absent while unmeasured)",
                                     labels=labels)
-        restarts = CounterMetricFamily(f"{PREFIX}_worker_restarts",
-                                       "Worker restarts after a crash or failed start", labels=labels)
+        restarts = CounterMetricFamily(
+            f"{PREFIX}_worker_restarts",
+            "Worker restarts: crash, failed start, wedge, admin or reload restart", labels=labels)
         up = GaugeMetricFamily(f"{PREFIX}_worker_up", "1 when the worker is ready and in rotation",
                                labels=labels)
         state = GaugeMetricFamily(f"{PREFIX}_worker_state", "1 for the worker's current state",

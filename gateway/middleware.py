@@ -175,8 +175,13 @@ class Guard:
             log.warning("request.host_refused", request_id=request_id(request), host=shown,
                         path=path)
             raise ApiError(403, f"host '{shown}' is not allowed")
+        origin = request.headers.get("Origin")
+        if origin is not None and self.cors.refused(origin, host):
+            log.warning("request.origin_refused", request_id=request_id(request),
+                        origin=header_text(origin), path=path)
+            raise ApiError(403, "origin not allowed")
         if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
-            hdrs = self.cors.headers(request.headers.get("Origin"), preflight=True)
+            hdrs = self.cors.headers(origin, preflight=True, host=host)
             if not hdrs:
                 raise ApiError(403, "origin not allowed")
             return web.Response(status=204, headers=hdrs)
@@ -307,5 +312,8 @@ class Guard:
 
     async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """CORS headers on every response (streams included) for allowed origins."""
-        for k, v in self.cors.headers(request.headers.get("Origin"), preflight=False).items():
+        origin = request.headers.get("Origin")
+        if not origin:
+            return
+        for k, v in self.cors.headers(origin, False, request.headers.get("Host", "")).items():
             response.headers.setdefault(k, v)

@@ -72,10 +72,36 @@ def test_host_check_only_on_loopback_and_cors():
     assert HostCheck(cfg()).active and not HostCheck(cfg()).ok("evil.com")
     assert not HostCheck(cfg(listen="0.0.0.0:11434")).active
     assert not HostCheck(cfg(http={"check_host": False})).active
-    assert Cors(cfg()).headers("http://localhost:3000", False) == {}
-    c = Cors(cfg(http={"cors_origins": ["http://localhost:3000"]}))
-    assert c.allow("http://LOCALHOST:3000") == "http://LOCALHOST:3000" and c.allow("http://x") is None
+    c = Cors(cfg(http={"cors_origins": ["https://chat.example.com"]}))
+    assert c.allow("https://CHAT.example.com") == "https://CHAT.example.com" and c.allow("http://x") is None
     assert Cors(cfg(http={"cors_origins": ["*"]})).allow("http://x") == "*"
+
+
+@pytest.mark.parametrize("origin,allowed", [
+    # Ollama's defaults (envconfig.AllowedOrigins) and browser extensions (gin-contrib/cors)
+    ("http://localhost", True), ("http://localhost:3000", True), ("https://127.0.0.1:8443", True),
+    ("http://0.0.0.0:8080", True), ("app://obsidian.md", True), ("file://", True),
+    ("tauri://localhost", True), ("vscode-webview://abc-123", True), ("vscode-file://vscode-app", True),
+    ("chrome-extension://jfgfiigpkhlkbnfnbobbkinehhfdhndo", True), ("moz-extension://x", True),
+    # not local pages: another site, a name that only starts like localhost, a sandboxed frame
+    ("http://evil.com", False), ("http://localhost.evil.com", False), ("http://127.0.0.1.nip.io", False),
+    ("http://192.168.1.5:3000", False), ("null", False), ("https://chat.example.com", False)])
+def test_default_origins_follow_ollama(origin, allowed):
+    assert (Cors(cfg()).allow(origin) is not None) is allowed
+
+
+def test_configured_origins_add_to_the_defaults_with_wildcards_and_own_origin_always_passes():
+    c = Cors(cfg(http={"cors_origins": ["http://192.168.1.*:*", "https://chat.example.com"]}))
+    assert c.allow("http://192.168.1.20:3000") and c.allow("https://chat.example.com")
+    assert c.allow("http://localhost:5173")  # the defaults stay
+    assert c.allow("http://192.168.2.20:3000") is None
+    assert c.refused("http://evil.com", "127.0.0.1:11434") and not c.refused(None, "x")
+    # the gateway's own origin (its status page) is never refused, whatever the list
+    assert not c.refused("http://gpu-box.lan:11434", "gpu-box.lan:11434")
+    assert c.refused("http://gpu-box.lan:11435", "gpu-box.lan:11434")
+    pre = c.headers("http://192.168.1.20:3000", True)
+    assert pre["Access-Control-Allow-Origin"] == "http://192.168.1.20:3000" and "POST" in pre[
+        "Access-Control-Allow-Methods"] and "Authorization" in pre["Access-Control-Allow-Headers"]
 
 
 def test_own_interface_addresses_are_allowed():

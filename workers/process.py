@@ -188,9 +188,12 @@ class LaunchSpec:
 # a prompt that is all in the slot's cache (a repeated or regenerated prompt) gets two
 # (server-context.cpp, [TAG_PROMPT_LOGITS]: "need to evaluate at least 1 token …" and "n_past
 # was set to …"), and a model with context checkpoints (SWA, hybrid) drops its oldest one
-# ("erasing old context checkpoint") as a matter of course.
+# ("erasing old context checkpoint") as a matter of course, and a request whose connection the
+# gateway closed before its end (the client left, or the watchdog gave up on it, both logged by
+# the gateway itself) is cancelled (server-queue.cpp ``server_response_reader::stop``:
+# "cancel task, id_task = N").
 ROUTINE_WARNINGS = ("need to evaluate at least 1 token for each active slot", "n_past was set to ",
-                    "erasing old context checkpoint")
+                    "erasing old context checkpoint", "cancel task, id_task = ")
 
 
 class WorkerProcess:

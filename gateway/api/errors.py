@@ -75,11 +75,17 @@ def admission_error(e: Exception, retry_after_s: int) -> ApiError:
     """Admission's answer for a request it will not run, as ApiError (503 unless the refusal
     says otherwise): ``QueueFull`` (Ollama's ``ErrMaxQueue`` text), ``QueueTimeout``, or a
     refusal of gateway.scheduling.refusals (``Unavailable``: its status, text and Retry-After
-    rule); ``retry_after_s``: the configured ``queue.retry_after_s``."""
+    rule; ``ModelRemoved`` carries OpenAI's ``model_not_found`` code and
+    ``invalid_request_error`` type for ``/v1``, as an unknown model there); ``retry_after_s``:
+    the configured ``queue.retry_after_s``."""
     from gateway.admission import QueueFull, QueueTimeout  # admission does not import the API
+    from gateway.scheduling.refusals import ModelRemoved
     retry = {"Retry-After": str(retry_after_s)}
     if isinstance(e, QueueFull):
         return ApiError(503, BUSY_MESSAGE, retry)
     if isinstance(e, QueueTimeout):
         return ApiError(503, QUEUE_TIMEOUT_MESSAGE, retry)
+    if isinstance(e, ModelRemoved):  # /v1: OpenAI's unknown-model code; /api shows the text only
+        return ApiError(e.status, str(e), e.headers(retry_after_s), code="model_not_found",
+                        type="invalid_request_error")
     return ApiError(e.status, str(e), e.headers(retry_after_s))

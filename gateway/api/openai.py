@@ -115,7 +115,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
             await _relay_stream(request, resp, out, include_usage, UsageSum(per_prompt))
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         err = admission_error(e, gw.config.queue.retry_after_s)
-        return openai_error(err.status, err.message, err.headers)
+        return openai_error(err.status, err.message, err.headers, code=err.code, type=err.type)
     except UpstreamError as e:
         # llama-server answers some malformed bodies with 500 ("Failed to parse messages: [json.
         # exception…]"): the client's fault, so 400 here.

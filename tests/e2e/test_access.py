@@ -35,7 +35,7 @@ def secured(tmp_path_factory):
         {"name": "webui", "sha256": hash_key(WEB), "models": ["demo"], "priority": 5},
         {"name": "batch", "sha256": hash_key(LIMITED), "models": ["other"],
          "max_concurrent": 1, "rate_per_minute": 3}]},
-        http={"cors_origins": ["http://localhost:3000"]})
+        http={"cors_origins": ["https://chat.example.com"]})
     cfg["models"][0].update(cpu=1, slots=2)
     cfg["models"].append({"name": "other", "path": "builtin:demo", "cpu": 1, "slots": 1,
                           "context": 2048})
@@ -237,14 +237,31 @@ def test_host_header_not_utf8_shown_escaped(secured):
     assert refused[-1]["request_id"] == "host-refused-1", refused[-1]  # as its request.done
 
 
-def test_cors_only_for_configured_origins(secured):
+def test_cors_for_configured_and_default_origins_and_403_for_others(secured):
+    """Origins as Ollama (gin-contrib/cors): a configured origin and a default one (a local page)
+    get ``Access-Control-Allow-Origin`` (preflight and streams too); any request from another
+    origin gets 403 in the route's error shape, also a "simple" POST that a browser sends
+    without a preflight (before, that one was executed: a fresh tester's find); the gateway's
+    own origin passes."""
     h = {"Authorization": f"Bearer {WEB}"}
-    r = httpx.get(secured.url + "/api/tags", headers={**h, "Origin": "http://localhost:3000"})
-    assert r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    for origin in ("https://chat.example.com", "http://localhost:3000"):
+        r = httpx.get(secured.url + "/api/tags", headers={**h, "Origin": origin})
+        assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == origin
     r = httpx.get(secured.url + "/api/tags", headers={**h, "Origin": "http://evil.com"})
+    assert r.status_code == 403 and r.json() == {"error": "origin not allowed"}
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+            "options": {"num_predict": 2}}
+    simple = {**h, "Origin": "http://evil.com", "Content-Type": "text/plain"}
+    r = httpx.post(secured.url + "/api/chat", headers=simple, content=json.dumps(body))
+    assert r.status_code == 403 and r.json() == {"error": "origin not allowed"}
     assert "Access-Control-Allow-Origin" not in r.headers
+    r = httpx.post(secured.url + "/v1/chat/completions", headers=simple,
+                   content=json.dumps({"model": "demo", "max_tokens": 2, "messages": body["messages"]}))
+    assert r.status_code == 403 and r.json()["error"]["message"] == "origin not allowed"
+    own = httpx.post(secured.url + "/api/chat", json=body, headers={**h, "Origin": secured.url})
+    assert own.status_code == 200 and own.json()["done"] is True
     pre = httpx.options(secured.url + "/api/chat", headers={
-        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization"})
     assert pre.status_code == 204 and "Authorization" in pre.headers["Access-Control-Allow-Headers"]
     pre = httpx.options(secured.url + "/api/chat", headers={
@@ -252,15 +269,17 @@ def test_cors_only_for_configured_origins(secured):
     assert pre.status_code == 403
     # streams carry the header too
     with httpx.stream("POST", secured.url + "/api/generate", headers={
-            **h, "Origin": "http://localhost:3000"},
+            **h, "Origin": "https://chat.example.com"},
             json={"model": "demo", "prompt": "a", "options": {"num_predict": 3}}) as r:
-        assert r.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        assert r.headers["Access-Control-Allow-Origin"] == "https://chat.example.com"
         r.read()
 
 
-def test_cors_off_by_default_and_worker_needs_its_key(gateway):
-    r = httpx.get(gateway.url + "/api/tags", headers={"Origin": "http://localhost:3000"})
-    assert r.status_code == 200 and "Access-Control-Allow-Origin" not in r.headers
+def test_default_origins_and_worker_needs_its_key(gateway):
+    r = httpx.get(gateway.url + "/api/tags", headers={"Origin": "vscode-webview://abc"})
+    assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == "vscode-webview://abc"
+    r = httpx.get(gateway.url + "/api/tags", headers={"Origin": "https://chat.example.com"})
+    assert r.status_code == 403
     w = gateway.workers()[0]
     direct = httpx.post(f"http://127.0.0.1:{w['port']}/completion",
                         json={"prompt": "x", "n_predict": 2}, timeout=30)

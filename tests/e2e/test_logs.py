@@ -179,3 +179,23 @@ def test_a_repeated_prompt_logs_no_worker_warning(gw):
         "need to evaluate at least 1 token" in e["line"] or "n_past was set to" in e["line"]))
     assert len(routine) >= 2, "no repeated prompt was a full cache hit on its worker"
     assert all(e["level"] == "info" for e in routine), routine[:3]
+
+
+def test_a_client_that_leaves_mid_stream_logs_no_worker_warning(gw):
+    """A client that closes a stream mid-answer (a chat UI's stop button) makes the gateway
+    close the worker's connection, and llama-server cancels the task with a 'W' line ("cancel
+    task, id_task = N"); routine, so logged like the worker's info lines (here at info), while
+    the gateway's own request log says the client left (499). A fresh tester saw one warning
+    per disconnect before."""
+    with httpx.stream("POST", gw.url + "/api/generate", timeout=60,
+                      headers={"X-Request-ID": "leaves-early"},
+                      json={"model": "demo", "prompt": "x", "raw": True,
+                            "options": {"num_predict": 20000}}) as r:
+        lines = r.iter_lines()
+        assert next(lines) and next(lines)
+    done = wait_for(gw, lambda e: e["event"] == "request.done"
+                    and e.get("request_id") == "leaves-early")
+    assert done and done[0]["status"] == 499, done
+    cancelled = wait_for(gw, lambda e: e["event"] == "worker.output"
+                         and "cancel task, id_task" in e["line"])
+    assert cancelled and all(e["level"] == "info" for e in cancelled), cancelled[:3]

@@ -411,3 +411,49 @@ def test_reload_validates_binary_and_keeps_it_until_restart(tmp_path, gateway_fa
     after = gw.workers()[0]
     assert after["pid"] == before["pid"] and after["state"] == "ready", after
     assert os.path.realpath(f"/proc/{after['pid']}/exe") == exe
+
+
+def test_queued_requests_for_a_model_removed_by_reload_get_404_in_each_apis_shape(gateway_factory):
+    """Requests queued for a model when a reload removes it get 404: on ``/api`` Ollama's
+    ``{"error": "model '…' not found (removed …)"}``, on ``/v1`` OpenAI's unknown-model error
+    (``invalid_request_error``, code ``model_not_found``), like any unknown model there (a fresh
+    tester saw ``not_found_error`` with no code on ``/v1``)."""
+    cfg = base_config(free_port(), admin={"token": "t"}, models=[
+        {"name": "alpha", "path": "builtin:demo", "slots": 1, "context": 1024, "cpu": 1},
+        {"name": "beta", "path": "builtin:demo", "slots": 1, "context": 32768, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    results: dict[str, httpx.Response] = {}
+
+    def call(name: str, path: str, body: dict) -> None:
+        results[name] = httpx.post(gw.url + path, json=body, timeout=120)
+
+    with cf.ThreadPoolExecutor(3) as ex:
+        long = ex.submit(call, "long", "/api/generate", {
+            "model": "beta", "prompt": "x", "raw": True, "stream": False,
+            "options": {"num_predict": 30000}})
+        end = time.monotonic() + 30
+        while not any(w["busy"] for w in gw.workers() if w["id"] == "beta-cpu0"):
+            assert time.monotonic() < end, "the long generation never started"
+            time.sleep(0.05)
+        queued = [ex.submit(call, "api", "/api/generate", {"model": "beta", "prompt": "y"}),
+                  ex.submit(call, "v1", "/v1/completions", {"model": "beta", "prompt": "y",
+                                                            "max_tokens": 2})]
+        end = time.monotonic() + 10
+        while httpx.get(gw.url + "/gateway/api/workers").json()["queue"]["depth"] < 2:
+            assert time.monotonic() < end, "the two requests never queued"
+            time.sleep(0.05)
+        cfg["models"].pop(1)
+        gw.cfg_path.write_text(yaml.safe_dump(cfg))
+        r = httpx.post(gw.url + "/gateway/api/admin/reload", headers={"Authorization": "Bearer t"},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["removed"] == ["beta-cpu0"], r.text
+        for f in queued:
+            f.result(timeout=60)
+        long.result(timeout=120)
+    api, v1 = results["api"], results["v1"]
+    assert api.status_code == 404 and api.json() == {
+        "error": "model 'beta:latest' not found (removed from the gateway's config by a reload)"}
+    assert v1.status_code == 404, v1.text
+    err = v1.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "model_not_found", err
+    assert "removed from the gateway's config by a reload" in err["message"]
