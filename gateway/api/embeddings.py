@@ -252,7 +252,9 @@ async def v1_embeddings(request: web.Request) -> web.Response:
     "embedding","embedding","index"}],"model","usage"}``. Errors in the OpenAI shape."""
     body = await read_json(request)
     name = body.get("model")
-    if not isinstance(name, str) or not name:
+    if name is not None and not isinstance(name, str):
+        raise ApiError(400, "model must be a string")  # as /api (a tester's find)
+    if not name:
         raise ApiError(400, "model is required")
     entry = request.app["gw"].inventory.resolve(name)
     if entry is None:  # OpenAI's answer, where the Ollama routes say "model '<name>' not found"

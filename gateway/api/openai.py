@@ -38,7 +38,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     gw = _gw(request)
     body = await read_json(request)
     name = body.get("model")
-    if not isinstance(name, str) or not name:
+    if name is not None and not isinstance(name, str):
+        raise ApiError(400, "model must be a string")  # as /api (a tester's find)
+    if not name:
         raise ApiError(400, "model is required")
     entry = gw.inventory.resolve(name)
     if entry is None:

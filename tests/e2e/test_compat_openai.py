@@ -138,3 +138,15 @@ def test_n_must_be_a_positive_integer(gw):
     r = httpx.post(gw.url + "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2,
                                                      "n": 2}, timeout=30)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_model_of_the_wrong_type_is_named_as_such(gw):
+    """``model`` that is not a string: 400 "model must be a string" on every ``/v1`` inference
+    route, as on ``/api`` (it said "model is required", a tester's find); missing or "" still
+    says "model is required"."""
+    for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/embeddings", {"input": "hi"})):
+        for model, text in ((5, "model must be a string"), (["demo"], "model must be a string"),
+                            (None, "model is required"), ("", "model is required")):
+            r = httpx.post(gw.url + path, json={"model": model, **body}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["message"] == text, (path, model, r.text)
