@@ -1,10 +1,12 @@
 """Measure one real llama-server for the simulator's calibration (``llama-gateway calibrate``).
 
 Starts one llama-server (``-np slots``, ``-c slots*context``, ``-t threads``, ``--metrics``;
-the same arguments the gateway gives a CPU worker, from ``workers.process.LaunchSpec``) and
-sends streamed ``/completion`` requests (the gateway always streams from its workers, and
-streaming costs the server CPU per token: with 8 streams on one core the step time seen was
-about 1.5 ms without streaming and 2.3-2.6 ms with it) whose prompts are lists of token ids
+the same arguments and environment the gateway gives a CPU worker, from
+``workers.process.LaunchSpec``, so ``LLAMA_ARG_FLASH_ATTN=off``; the document records the
+``LLAMA_ARG_*`` variables as ``server.env``) and sends streamed ``/completion`` requests (the
+gateway always streams from its workers, and streaming costs the server CPU per token: with
+8 streams on one core, flash attention on, the step time seen was about 1.5 ms without
+streaming and 2.3-2.6 ms with it) whose prompts are lists of token ids
 (printable byte tokens, so the length in tokens is exact; ``cache_prompt: false`` and
 ``ignore_eos``, so every prompt is computed and every output runs to ``n_predict``). Figures come from llama-server's own
 ``timings`` object of each response, wall-clock is recorded beside them:
@@ -112,6 +114,13 @@ def server_version(spec: LaunchSpec) -> str:
     return lines[0].strip() if lines else "unknown"
 
 
+def server_env(spec: LaunchSpec) -> dict[str, str]:
+    """The ``LLAMA_ARG_*`` variables the server starts with (``LaunchSpec.env``: for a CPU worker
+    ``LLAMA_ARG_FLASH_ATTN=off`` among them, and any the caller's environment sets), which
+    llama-server reads as options but ``argv`` does not show; the API key is not included."""
+    return {k: v for k, v in sorted(spec.env("").items()) if k.startswith("LLAMA_ARG_")}
+
+
 def _complete(client: httpx.Client, srv: Server, prompt_tokens: int, n_predict: int,
               rng: random.Random) -> dict:
     """One streamed ``/completion`` (as the gateway always asks its workers); returns the
@@ -208,7 +217,8 @@ def calibrate(binary: Path, model: Path, *, name: str, command: str, out: str, s
     return {"profile": profile_dict(prof), "command": command,
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(time.time() - t0, 1),
-            "server": {"version": server_version(spec), "argv": [Path(argv[0]).name] + argv[1:]},
+            "server": {"version": server_version(spec), "argv": [Path(argv[0]).name] + argv[1:],
+                       "env": server_env(spec)},
             "machine": {"cpus": os.cpu_count(), "loadavg_after": list(os.getloadavg())},
             **raw}
 

@@ -124,13 +124,15 @@ PROFILES: dict[str, GpuProfile] = {
                                         batch_slope=0.08, attn_s_per_token=1e-8,
                                         kv_bytes_per_token=LLAMA32_3B_KV,
                                         source="llama.cpp PR #19053 perf table"),
-    # Measured: docs/calibration/cpu-demo.json, written by `llama-gateway calibrate` (the same
-    # as tests/bench/calibrate.py): one llama-server, -t 1 -np 8, the demo model, on one core
-    # of the 2-core development machine; llama-server's own timings of streamed /completion
-    # requests, fitted by gateway/simulator/calibration.py (figures rounded to 3 digits). Its
-    # host copies are memcpy in RAM (no PCIe); 5 GB/s is an assumption.
-    "cpu-demo": GpuProfile("CPU core (-t 1), demo model", 21100.0, 0.000254,
-                           batch_slope=0.577, attn_s_per_token=1.00e-6,
+    # Measured: docs/calibration/cpu-demo.json (2026-11-30 06:51 UTC, commit 0e6c8aa), written
+    # by `llama-gateway calibrate --repeats 15` (the same as tests/bench/calibrate.py): one
+    # llama-server, -t 1 -np 8, the demo model, with LLAMA_ARG_FLASH_ATTN=off as the gateway
+    # starts CPU workers, on one core of the 2-core development machine; llama-server's own
+    # timings of streamed /completion requests, fitted by gateway/simulator/calibration.py
+    # (figures rounded to 3 digits). Its host copies are memcpy in RAM (no PCIe); 5 GB/s is
+    # an assumption.
+    "cpu-demo": GpuProfile("CPU core (-t 1, --flash-attn off), demo model", 16600.0, 0.000305,
+                           batch_slope=0.610, attn_s_per_token=2.54e-7,
                            kv_bytes_per_token=DEMO_KV, host_copy_bytes_per_s=5e9,
                            source="docs/calibration/cpu-demo.json (llama-gateway calibrate)"),
 }

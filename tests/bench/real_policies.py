@@ -1,8 +1,8 @@
 """Routing policies on real llama-server workers (CPU here), beside the simulator's prediction
 of the same runs (not part of pytest; run by hand, under the benchmark lock):
 
-    flock /tmp/bench.lock python tests/bench/real_policies.py --policies 0,1,2   # appends to --json
-    flock /tmp/bench.lock python tests/bench/real_policies.py --policies 3,4,5
+    flock /tmp/bench.lock python tests/bench/real_policies.py --clients 12   # all; merges into --json
+    flock /tmp/bench.lock python tests/bench/real_policies.py --policies 1,2   # some (see --help)
     python tests/bench/real_policies.py --report        # the tables of --json again
     python tests/bench/real_policies.py --resim         # simulator side again (new profile)
 
@@ -11,9 +11,11 @@ sending its next ``/api/generate`` (raw prompt of a few tokens, ``num_predict`` 
 20..400; the demo model never stops early on such a prompt) when the previous one ends.
 Fleet: 2 CPU workers × ``--slots`` slots, ``-t 1`` each. Policies: ``POLICY_RUNS`` of
 ``gateway/simulator/report.py`` (the same labels as the simulated comparison) without the
-oracle; the Ollama-like baseline is ONE worker with the same total slots (2 × ``--slots``),
-``-t 1``, behind the gateway's FIFO queue (policy ``pack``; one worker makes every policy the
-same): one runner on one core, as the simulator's baseline is one runner on GPU 0.
+oracle, each run's options given to the real gateway as ``scheduler.policy``,
+``prefix_affinity`` and ``affinity_wait_ms_per_1k_tokens``; the Ollama-like baseline is ONE
+worker with the same total slots (2 × ``--slots``), ``-t 1``, behind the gateway's FIFO queue
+(policy ``pack``; one worker makes every policy the same): one runner on one core, as the
+simulator's baseline is one runner on GPU 0.
 
 Measured at the client: TTFT (request sent → first NDJSON chunk with text), e2e (→ last
 chunk), generated tokens from each response's ``eval_count``; tokens/s counts tokens inside
@@ -112,8 +114,9 @@ def cpu_s(procs: list[psutil.Process]) -> float:
 
 def real_run(tmp: Path, policy: str, kw: dict, slots: int, clients: int, duration: float,
              warmup: float) -> dict:
-    cfg = base_config(free_port(), scheduler={"policy": policy,
-                                              "prefix_affinity": kw.get("affinity", True)})
+    cfg = base_config(free_port(), scheduler={
+        "policy": policy, "prefix_affinity": kw.get("affinity", True),
+        "affinity_wait_ms_per_1k_tokens": kw.get("affinity_wait_ms_per_1k_tokens", 0.0)})
     cfg["models"][0].update(slots=slots, context=2048)
     if kw.get("single_runner"):
         cfg["models"][0].update(cpu=1, slots=2 * slots)
@@ -199,8 +202,8 @@ def report(doc: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--policies", default="all",
-                    help="indices into RUNS (0: gateway, 1: no affinity, 2: least_connections, "
-                         "3: round_robin, 4: random, 5: ollama-like) or 'all'")
+                    help="indices into RUNS (" + ", ".join(f"{i}: {r[0]}" for i, r in
+                                                          enumerate(RUNS)) + ") or 'all'")
     ap.add_argument("--clients", type=int, default=12)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--duration", type=float, default=45.0)
