@@ -476,6 +476,13 @@ class LlamaServerConfig(_Section):
     worker is checked (``workers.stall_check``: main loop answers, a slot free or moving, within
     ``liveness_timeout_s``) and, if it fails, treated as wedged and restarted even though it
     still answers the ``/slots`` probes."""
+    leaked_slot_s: Annotated[float, PlainValidator(_v_nonneg_float)] = 60.0
+    """Seconds a worker slot may stay busy with one task while no live request of the gateway
+    on that worker is older than the task (``gateway.scheduling.slot_leaks``); then the slot
+    is taken as leaked and the worker restarted as an admin restart does it (drain up to
+    ``shutdown.drain_s``, stop, start). 0 turns it off. It must outlast llama-server's lag in
+    freeing a cancelled request's slot (about 0.5–2 s here, up to one prompt batch on a slow
+    CPU): a shorter one restarts workers that are merely slow to free a slot."""
     crash_loop_restarts: PositiveInt = 5
     """Restarts within ``crash_loop_window_s`` that mark a worker ``failed`` (crash loop)."""
     crash_loop_window_s: PositiveFloat = 120.0

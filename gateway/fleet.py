@@ -4,7 +4,9 @@ Readiness flows one way: supervisor → ``Admission.worker_ready`` → dispatche
 never calls a worker; the upstream client asks ``endpoint_of`` for a ready worker's address.
 Telemetry flows the same way: one ``WorkerPoller`` per worker (``/slots``, ``/metrics``, NVML
 every ``scheduler.poll_interval_s``) → ``Admission.worker_load`` → dispatcher scores; the
-``/metrics`` generation counters → ``SpeedBoard`` (``gateway.speed``) → ``Dispatcher.set_speed``.
+``/metrics`` generation counters → ``SpeedBoard`` (``gateway.speed``) → ``Dispatcher.set_speed``;
+the polled slots → ``SlotLeakWatch`` (``gateway.scheduling.slot_leaks``) → a worker with a
+leaked slot is restarted (:meth:`Fleet.restart_worker`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gateway.logs import get_logger
 from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
 from gateway.scheduling import make_scorer
 from gateway.scheduling.scorer import keep_prefix_index
+from gateway.scheduling.slot_leaks import SlotLeak, SlotLeakWatch
 from gateway.sizing import SizeEstimate, estimate
 from gateway.speed import SpeedBoard
 from gateway.upstream import Endpoint
@@ -93,6 +96,9 @@ class Fleet:
         self.bytes_per_token: dict[str, float] = {}
         self.speeds = SpeedBoard()  # measured decode speed per worker process
         self.measured_speed = True  # scheduler.measured_speed (set by apply_scheduler)
+        self.slot_watches: dict[str, SlotLeakWatch] = {}  # worker id -> its leaked-slot watch
+        self.leaked_slot_s = config.llama_server.leaked_slot_s  # set by apply_supervision too
+        self._leak_restarts: set[str] = set()  # workers a leaked slot is restarting now
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self.apply_scheduler(config.scheduler)
@@ -129,6 +135,7 @@ class Fleet:
         for sup in self.supervisors.values():
             for key, value in settings.items():
                 setattr(sup, key, value)
+        self.leaked_slot_s = ls.leaked_slot_s  # from the next poll on (the fleet watches slots)
 
     def _threads(self, plans: list[WorkerPlan]) -> int | None:
         ls = self.config.llama_server
@@ -158,6 +165,7 @@ class Fleet:
                                **supervision(ls))
         self.supervisors[plan.id] = sup
         self.plans[plan.id] = plan
+        self.slot_watches[plan.id] = SlotLeakWatch(self.admission.dispatcher.clock)
         facts = self.model_facts.get(plan.model)
         kv_bytes = kv_bytes_from_gguf(facts.kv, facts.architecture, args) if facts else 0
         self.admission.dispatcher.add_worker(
@@ -209,6 +217,7 @@ class Fleet:
         # Forgotten only once stopped, so listings never lose a worker that is restarting.
         self.supervisors.pop(worker_id, None)
         self.plans.pop(worker_id, None)
+        self.slot_watches.pop(worker_id, None)
         self.admission.dispatcher.remove_worker(worker_id)
         self._apply_speeds(self.speeds.forget(worker_id))
         log.info("worker.removed", worker=worker_id)
@@ -228,16 +237,18 @@ class Fleet:
         it, and start it again with ``plan`` (default: the same plan)."""
         plan = plan or self.plans[worker_id]
         order = list(self.supervisors)
-        restarts = self.supervisors[worker_id].restarts
+        old = self.supervisors[worker_id]
         await self.remove_worker(worker_id, drain_s)
         sup = self.add_worker(plan)
-        sup.restarts = restarts + 1
+        sup.restarts = old.restarts + 1
+        sup.slot_leaks = old.slot_leaks
         self.supervisors = {k: self.supervisors[k] for k in order if k in self.supervisors} | \
             self.supervisors  # keep the fleet's order for listings
         return sup
 
     def _on_ready(self, sup: WorkerSupervisor) -> None:
         self._apply_speeds(self.speeds.forget(sup.id))  # a new process: measured afresh
+        self._forget_slots(sup.id)  # a new process: its task ids start again
         actual = getattr(sup, "actual_slots", sup.spec.slots)
         self.admission.worker_slots(sup.id, actual)
         if sup.slots_n_ctx:
@@ -252,6 +263,7 @@ class Fleet:
     def _on_down(self, sup: WorkerSupervisor, reason: str) -> None:
         log.warning("worker.down", worker=sup.id, gpu=sup.spec.gpu_label, reason=reason)
         self.admission.worker_ready(sup.id, False)
+        self._forget_slots(sup.id)
         self._apply_speeds(self.speeds.forget(sup.id))
         if self.upstream is not None:
             self.upstream.abort_worker(sup.id, reason)
@@ -302,6 +314,57 @@ class Fleet:
         plan = self.plans.get(worker_id)
         if plan is not None:
             self._apply_speeds(self.speeds.observe(worker_id, plan.model, sample.metrics))
+        self._watch_slots(worker_id, sample)
+
+    def _forget_slots(self, worker_id: str) -> None:
+        watch = self.slot_watches.get(worker_id)
+        if watch is not None:
+            watch.reset()
+
+    def _watch_slots(self, worker_id: str, sample: Sample) -> None:
+        """Leaked slots (``gateway.scheduling.slot_leaks``): a slot busy with one task for
+        ``llama_server.leaked_slot_s`` while no live lease on the worker is older than that
+        task. The worker is then restarted as an admin restart does it (drain up to
+        ``shutdown.drain_s``, stop, start: :meth:`restart_worker`), once: while that restart
+        runs, while the worker is out of rotation for another reason (an operator's drain, a
+        reload, crash-loop ``failed``) and while the gateway shuts down, slots are tracked but
+        no leak is acted on; the new process starts with a fresh watch. One
+        ``worker.slot_leaked`` warning per restart; the worker's ``slot_leaks`` and
+        ``restarts`` count it (``/gateway/api/workers``)."""
+        watch = self.slot_watches.get(worker_id)
+        view = self.admission.dispatcher.workers.get(worker_id)
+        if watch is None or view is None:
+            return
+        oldest = min((lease.granted_at for lease in view.leases), default=None)
+        act = (view.in_rotation and worker_id not in self._leak_restarts
+               and not self.admission.shutting_down)
+        leaks = watch.observe(sample.slots, oldest, self.leaked_slot_s if act else 0.0)
+        if leaks:
+            self._restart_leaked(worker_id, leaks[0])
+
+    def _restart_leaked(self, worker_id: str, leak: SlotLeak) -> None:
+        sup = self.supervisors[worker_id]
+        sup.slot_leaks += 1
+        drain_s = self.config.shutdown.drain_s
+        log.warning("worker.slot_leaked", worker=worker_id, gpu=sup.spec.gpu_label,
+                    slot=leak.slot, id_task=leak.id_task, busy_s=round(leak.busy_s, 1),
+                    unclaimed_s=round(leak.unclaimed_s, 1), leaked_slot_s=self.leaked_slot_s,
+                    drain_s=drain_s, pid=sup.process.pid if sup.process else None)
+        self._leak_restarts.add(worker_id)
+
+        async def restart() -> None:
+            try:
+                await self.restart_worker(worker_id, drain_s)
+            except KeyError:  # a reload removed it meanwhile
+                pass
+            except Exception:
+                log.exception("worker.slot_leak_restart_failed", worker=worker_id)
+            finally:
+                self._leak_restarts.discard(worker_id)
+
+        t = asyncio.get_running_loop().create_task(restart(), name=f"leak-restart-{worker_id}")
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     def _apply_speeds(self, speeds: dict[str, float]) -> None:
         """Give the dispatcher the relative speeds of ``speeds`` (worker id → speed; ids it no

@@ -14,23 +14,27 @@ def test_defaults_match_gateway_yaml():
     y = load_config(Path(__file__).resolve().parents[1] / "gateway.yaml")
     for section in ("timeouts", "limits", "auth", "http"):
         assert getattr(d, section) == getattr(y, section), section
-    for k in ("liveness_interval_s", "liveness_timeout_s", "wedge_after_stalls",
+    for k in ("liveness_interval_s", "liveness_timeout_s", "wedge_after_stalls", "leaked_slot_s",
               "crash_loop_restarts", "crash_loop_window_s", "failed_retry_s"):
         assert getattr(d.llama_server, k) == getattr(y.llama_server, k), k
     assert d.timeouts.inter_token_s == 60 and d.timeouts.header_read_s == 30
     assert d.limits.max_body_bytes == 64 * 2**20 and d.auth.keys == [] and d.http.cors_origins == []
     assert d.llama_server.crash_loop_restarts == 5 and d.llama_server.liveness_timeout_s == 5
+    assert d.llama_server.leaked_slot_s == 60
+    assert parse_config({"models": M, "llama_server": {"leaked_slot_s": 0}}).llama_server \
+        .leaked_slot_s == 0  # off
 
 
 def test_errors_name_key_paths():
     with pytest.raises(ConfigError) as e:
         parse_config({"models": M, "timeouts": {"inter_token_s": 0},
                       "limits": {"max_messages": "many", "max_body": 1},
-                      "llama_server": {"crash_loop_window_s": -1},
+                      "llama_server": {"crash_loop_window_s": -1, "leaked_slot_s": "1m"},
                       "http": {"cors_origins": "http://x"}})
     text = str(e.value)
     assert "timeouts.inter_token_s: expected a positive number, got 0" in text
     assert 'limits.max_messages: expected a positive integer, got "many"' in text
     assert 'limits.max_body: unknown key (did you mean "max_body_bytes"?)' in text
     assert "llama_server.crash_loop_window_s: expected a positive number, got -1" in text
+    assert 'llama_server.leaked_slot_s: expected a number >= 0, got "1m"' in text
     assert "http.cors_origins: expected a list of origins" in text

@@ -31,7 +31,9 @@ pinned llama-server (llama.cpp ``0c1e570``, ``tools/server/``):
    (this build: about 0.5 s streamed, 2 s not), within the default 5 s bound. Checked with the
    one request-specific silence known in this build (``n`` 2, empty prompt, sent straight to
    a worker): once its client left, every slot was idle and ``/lora-adapters`` answered in
-   1–2 ms, so that worker passes.
+   1–2 ms, so that worker passes. So does a worker that never frees one slot of several while
+   the others work (work moves): ``gateway.scheduling.slot_leaks`` finds that slot from the
+   polled ``/slots`` and the gateway's leases, and the fleet restarts the worker.
 
 ``slots_work`` is the pure part of step 2; ``check_worker`` does the I/O.
 """

@@ -87,6 +87,7 @@ class WorkerSupervisor:
         self.crashes = 0  # runs that ended without stop(): exits, wedges, startup failures
         self.wedges = 0
         self.crash_loops = 0
+        self.slot_leaks = 0  # restarts for a leaked slot (the gateway's: gateway.fleet)
         self.stalls = 0  # stalled requests in a row (watchdog)
         self._restart_times: collections.deque[float] = collections.deque()
         self._stall_check: asyncio.Event = asyncio.Event()  # a stall streak wants a check

@@ -10,7 +10,9 @@ several llama-server versions:
   this build (0c1e570) counts generated tokens into ``n_prompt_tokens`` while a slot runs
   (checked: prompt 5 tokens, 766 decoded → ``n_prompt_tokens`` 771), older builds did not.
   ``n_decoded`` is ``next_token[0].n_decoded`` (list, current) or ``next_token.n_decoded``
-  (object, older). Missing fields count 0.
+  (object, older). Missing fields count 0. ``id_task`` is the id of the slot's current task,
+  or of its previous one while it is idle (``server-context.cpp`` ``to_json``: ``task`` else
+  ``task_prev``); absent before a slot's first task and in builds without it (then None).
 - ``/metrics`` (Prometheus text, needs ``--metrics``): ``llamacpp:*`` samples; the ones used
   are ``requests_deferred``, ``requests_processing``, ``tokens_predicted_total``,
   ``prompt_tokens_total`` and ``prompt_tokens_cached_total``. Missing ones are absent.
@@ -38,7 +40,8 @@ log = get_logger("workers.telemetry")
 
 @dataclass(frozen=True)
 class SlotState:
-    """One slot as read from ``/slots``. Units: tokens."""
+    """One slot as read from ``/slots``. Units: tokens; ``id_task``: llama-server's task id
+    (None when the body has no integer ``id_task``)."""
 
     id: int
     n_ctx: int
@@ -46,6 +49,7 @@ class SlotState:
     kv_tokens: int
     n_decoded: int
     n_cached: int
+    id_task: int | None = None
 
 
 def _int(v: Any) -> int:
@@ -70,8 +74,11 @@ def parse_slot(obj: dict) -> SlotState:
     if busy:
         kv = max(_int(obj.get("n_prompt_tokens")),
                  _int(obj.get("n_prompt_tokens_processed")) + cached + n_decoded)
+    task = obj.get("id_task")
     return SlotState(id=_int(obj.get("id")), n_ctx=_int(obj.get("n_ctx")), busy=busy,
-                     kv_tokens=kv, n_decoded=n_decoded if busy else 0, n_cached=cached)
+                     kv_tokens=kv, n_decoded=n_decoded if busy else 0, n_cached=cached,
+                     id_task=task if isinstance(task, int) and not isinstance(task, bool)
+                     else None)
 
 
 def parse_slots(data: Any) -> list[SlotState]:

@@ -4,7 +4,8 @@ Read-only (open without ``auth.keys``; with keys, the admin token or an ``admin:
 plain key gets 403; ``/metrics`` stays open with ``auth.metrics_public``):
 
 * ``GET /gateway/api/workers`` → ``{"workers": [{id, model, state, detail, draining, pid, port,
-  gpus, slots, busy, prefill_backlog_tokens, restarts, crashes, wedges, crash_loops, n_ctx_slot,
+  gpus, slots, busy, prefill_backlog_tokens, restarts, crashes, wedges, crash_loops, slot_leaks,
+  n_ctx_slot,
   kv_fill, deferred, tokens_per_s, speed, sequence_tokens_per_s, gpu}],
   "queue": {"depth" (requests waiting, as ``max_pending`` counts them), "waiting_inputs"
   (tickets waiting: each input of an embedding request counted), "max_pending",
@@ -15,8 +16,9 @@ plain key gets 403; ``/metrics`` stays open with ``auth.metrics_public``):
   ``deferred`` and ``tokens_per_s`` are null while unknown; ``speed`` is the relative decode
   speed the scheduler uses (1.0 = its model's reference worker, or unmeasured) and
   ``sequence_tokens_per_s`` the measured per-sequence decode rate it comes from (null while
-  unmeasured; ``gateway.speed``); ``gpu`` is the first GPU's sample or null. Worker keys are
-  never shown.
+  unmeasured; ``gateway.speed``); ``slot_leaks`` counts the worker's restarts for a leaked
+  slot (``llama_server.leaked_slot_s``; each is also one of its ``restarts``); ``gpu`` is the
+  first GPU's sample or null. Worker keys are never shown.
 * ``GET /metrics``: Prometheus text (gateway/metrics.py).
 
 Admin (``Authorization: Bearer <admin.token>``, compared in constant time, or with
@@ -82,6 +84,7 @@ def snapshot(gw) -> dict:
             "sequence_tokens_per_s": _round(gw.fleet.speeds.rate(sup.id), 1),
             "gpu": g.__dict__ if g else None,
             "crashes": sup.crashes, "wedges": sup.wedges, "crash_loops": sup.crash_loops,
+            "slot_leaks": sup.slot_leaks,
         })
     return {"workers": out,
             "queue": {"depth": gw.dispatcher.queue.requests(), "waiting_inputs": len(gw.dispatcher.queue),

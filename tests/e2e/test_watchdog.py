@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+import yaml
 
 from tests.conftest import base_config, free_port, pid_alive
 from tests.fakes import fake_binary, is_fake
@@ -258,6 +259,17 @@ def test_a_request_silencing_every_single_slot_worker_gets_504_and_they_recover(
     assert st["queue"]["depth"] == 0 and all(x["busy"] == 0 for x in st["workers"])
 
 
+SHORT = {"model": "demo", "prompt": "hello", "raw": True, "stream": False,
+         "options": {"num_predict": 5}}
+
+
+def answered_short(gw) -> None:
+    """``SHORT`` through the gateway is answered: 200, 5 tokens, ``done_reason`` length."""
+    r = httpx.post(gw.url + "/api/generate", json=SHORT, timeout=60)
+    assert r.status_code == 200 and r.json()["done_reason"] == "length", r.text
+    assert r.json()["eval_count"] == 5
+
+
 def test_requests_that_stall_on_a_working_worker_do_not_restart_it(tmp_path, gateway_factory):
     """A request that makes a worker go silent for itself alone (the FAKE in mode ``marker``:
     silent for completions holding ``STALL-ME``, healthy otherwise) stalls on every try and
@@ -273,27 +285,20 @@ def test_requests_that_stall_on_a_working_worker_do_not_restart_it(tmp_path, gat
     gw = gateway_factory(cfg)
     (w0,) = gw.workers()
     assert is_fake(w0["pid"])
-    ok = {"model": "demo", "prompt": "hello", "raw": True, "stream": False,
-          "options": {"num_predict": 5}}
-
-    def answered():
-        r = httpx.post(gw.url + "/api/generate", json=ok, timeout=30)
-        assert r.status_code == 200 and r.json()["done_reason"] == "length", r.text
-        assert r.json()["eval_count"] == 5
-
+    ok = SHORT
     stalled = f"worker {w0['id']} sent nothing within 1 s"
-    answered()
+    answered_short(gw)
     t0 = time.monotonic()
     r = httpx.post(gw.url + "/api/generate", json={**ok, "prompt": "STALL-ME"}, timeout=60)
     assert (r.status_code, r.json()) == (504, {"error": stalled}), r.text
     assert time.monotonic() - t0 < 10  # 3 tries of 1 s, not timeouts.request_s (3600 s)
-    answered()
+    answered_short(gw)
     t0 = time.monotonic()
     with httpx.stream("POST", gw.url + "/api/generate", timeout=60,
                       json={**ok, "prompt": "STALL-ME again", "stream": True}) as r:
         assert (r.status_code, json.loads(r.read())) == (504, {"error": stalled})
     assert time.monotonic() - t0 < 10
-    answered()
+    answered_short(gw)
     time.sleep(0.3)  # the log is written by the gateway process
     (w,) = gw.workers()
     assert (w["pid"], w["state"], w["wedges"], w["restarts"]) == (w0["pid"], "ready", 0, 0), w
@@ -304,6 +309,131 @@ def test_requests_that_stall_on_a_working_worker_do_not_restart_it(tmp_path, gat
     assert len(kept) in (2, 3), kept
     assert all(e["worker"] == w0["id"] and e["gpu"] == "cpu" and e["stalls"] == 2 for e in kept)
     assert not [e for e in events if e.get("event") == "worker.wedged"]
+
+
+def stream_while(url: str, body: dict, hold_s: float) -> tuple[float, float, bool]:
+    """Stream ``body`` and read it for ``hold_s`` s, then leave (close the connection).
+    Returns (clock of the first line, clock of the last line read, whether it had ended)."""
+    first = last = None
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        t0 = time.monotonic()
+        for line in r.iter_lines():
+            if not line.strip():
+                continue
+            last = time.monotonic()
+            first = first or last
+            if json.loads(line).get("done") or last - t0 >= hold_s:
+                return first, last, bool(json.loads(line).get("done"))
+    return first, last, True
+
+
+def leak_a_slot(gw, w0: dict) -> dict:
+    """Send the FAKE (mode ``marker``) worker ``w0`` a ``LEAK-ME`` request: it gets its 504
+    JSON after 3 tries of ``first_byte_s`` (1 s); the slot of its first try stays busy. Returns
+    that slot as the worker's ``/slots`` shows it; the gateway holds no lease there."""
+    r = httpx.post(gw.url + "/api/generate", json={**SHORT, "prompt": "LEAK-ME"}, timeout=60)
+    assert (r.status_code, r.json()) == (504, {"error": f"worker {w0['id']} sent nothing "
+                                                        "within 1 s"}), r.text
+
+    def one_busy():  # the slots of the later tries free within about 0.05 s of their cancel
+        b = [s for s in gw.slots(w0) if s["is_processing"]]
+        return b if len(b) == 1 else None
+
+    (busy,) = wait_for(one_busy, 3, "one slot busy")
+    assert gw.workers()[0]["busy"] == 0
+    return busy
+
+
+def test_a_leaked_slot_restarts_its_worker(tmp_path, gateway_factory):
+    """Field case 10 on one slot of several: the FAKE (mode ``marker``, 2 slots) keeps the slot
+    of its first ``LEAK-ME`` request busy forever, even after the gateway cancelled it, and
+    serves others on its other slot. The request gets its 504 JSON after 3 tries of
+    ``first_byte_s``; its stalls pass the stall check (a slot frees, work moves), so the worker
+    is kept and other requests are served meanwhile. The slot stays busy with one ``id_task``
+    and no request of the gateway on the worker is older, so after ``leaked_slot_s`` the
+    worker is restarted as an admin restart does it (``worker.slot_leaked``; the restart is a
+    real llama-server), and then it runs 2 requests at once again, longer than
+    ``leaked_slot_s``, without being taken for a leak. Before, it stayed one slot short."""
+    leak_s = 5.0
+    binary = fake_binary(tmp_path, "marker", real=str(ensure_llama_server()))
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
+                                                  "leaked_slot_s": leak_s, "stop_grace_s": 2,
+                                                  "liveness_timeout_s": 2},
+                      timeouts={"first_byte_s": 1.0})
+    # context shift: the demo model's 4,096 tokens of context last about 3 s of generation;
+    # the requests below run longer than leaked_slot_s
+    cfg["models"][0].update(cpu=1, slots=2, context=4096, args=["--context-shift"])
+    gw = gateway_factory(cfg)
+    (w0,) = gw.workers()
+    assert is_fake(w0["pid"])
+    answered_short(gw)
+    t0 = time.monotonic()
+    busy = leak_a_slot(gw, w0)
+    assert time.monotonic() - t0 < leak_s  # 3 tries of 1 s, before the leak is acted on
+    served = 0
+    while gw.workers()[0]["pid"] == w0["pid"]:  # its other slot serves until the restart
+        assert time.monotonic() - t0 < 1 + leak_s + 10, "the worker was never restarted"
+        answered_short(gw)
+        served += 1
+        time.sleep(0.2)
+    assert served >= 3
+    w = wait_for(lambda: next((x for x in gw.workers() if x["state"] == "ready"
+                               and x["pid"] not in (None, w0["pid"])), None), 60, "restart")
+    assert not is_fake(w["pid"]) and not pid_alive(w0["pid"])
+    assert (w["slot_leaks"], w["restarts"], w["wedges"]) == (1, 1, 0), w
+    leaked = [e for e in log_events(gw.log_path) if e.get("event") == "worker.slot_leaked"]
+    assert len(leaked) == 1, leaked
+    e = leaked[0]
+    assert (e["worker"], e["gpu"], e["slot"], e["id_task"], e["pid"]) == (
+        w0["id"], "cpu", busy["id"], busy["id_task"], w0["pid"]), e
+    # unclaimed from the first try's cancel (its lease was older than the task) on; within
+    # about a poll of leaked_slot_s (the event rounds it to 0.1 s)
+    assert leak_s <= e["unclaimed_s"] <= leak_s + 1.5 and e["busy_s"] >= e["unclaimed_s"], e
+    # both slots again, each generating for longer than leaked_slot_s
+    long = {"model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 30000}}
+    with cf.ThreadPoolExecutor(2) as ex:
+        runs = list(ex.map(lambda _: stream_while(gw.url + "/api/generate", long, leak_s + 2),
+                           range(2)))
+    assert max(f for f, _, _ in runs) < min(last for _, last, _ in runs), runs  # at once
+    assert not any(done for _, _, done in runs), runs
+    assert all(last - f >= leak_s + 1 for f, last, _ in runs), runs
+    time.sleep(0.5)
+    (after,) = gw.workers()
+    assert (after["pid"], after["slot_leaks"], after["restarts"]) == (w["pid"], 1, 1), after
+    assert len([e for e in log_events(gw.log_path) if e.get("event") == "worker.slot_leaked"]) == 1
+    answered_short(gw)
+
+
+def test_leaked_slot_s_0_is_off_and_a_reload_turns_it_on(tmp_path, gateway_factory):
+    """``llama_server.leaked_slot_s`` 0: a leaked slot (the FAKE as above; every spawn is the
+    FAKE here) is left alone. A reload that sets it applies to the running worker without
+    restarting it for the reload; the leak, tracked all along, is then acted on at once."""
+    binary = fake_binary(tmp_path, "marker", first_only=False)
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      llama_server={"binary": str(binary), "leaked_slot_s": 0,
+                                    "liveness_timeout_s": 2, "stop_grace_s": 2},
+                      timeouts={"first_byte_s": 1.0})
+    cfg["models"][0].update(cpu=1, slots=2)
+    gw = gateway_factory(cfg)
+    (w0,) = gw.workers()
+    busy = leak_a_slot(gw, w0)
+    time.sleep(4)
+    (w,) = gw.workers()
+    assert (w["pid"], w["state"], w["slot_leaks"]) == (w0["pid"], "ready", 0), w
+    assert [s["id_task"] for s in gw.slots(w0) if s["is_processing"]] == [busy["id_task"]]
+    cfg["llama_server"]["leaked_slot_s"] = 2
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers={"Authorization": "Bearer t"},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["unchanged"] == [w0["id"]], r.text
+    t0 = time.monotonic()
+    w = wait_for(lambda: next((x for x in gw.workers() if x["state"] == "ready"
+                               and x["pid"] not in (None, w0["pid"])), None), 30, "restart")
+    assert time.monotonic() - t0 < 10 and w["slot_leaks"] == 1, w
+    (e,) = [e for e in log_events(gw.log_path) if e.get("event") == "worker.slot_leaked"]
+    assert (e["slot"], e["id_task"], e["leaked_slot_s"]) == (busy["id"], busy["id_task"], 2), e
+    assert e["unclaimed_s"] >= 4, e  # unclaimed since the first try's cancel, before the reload
 
 
 def test_a_frozen_worker_is_still_restarted_when_requests_stall_on_it(tmp_path, gateway_factory):

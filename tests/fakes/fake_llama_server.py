@@ -13,8 +13,12 @@ says:
 * ``crash``: becomes ready, then exits with status 3 after ``--fake-crash-after`` seconds.
 * ``marker``: a request-specific silence on an otherwise healthy worker. A completion whose
   body contains ``STALL_MARKER`` (``STALL-ME``) takes a slot and sends nothing until its client
-  leaves, then frees the slot (as llama-server frees a slot about 0.5 s after its client left);
-  every other ``/completion`` (what ``/api/generate`` with ``raw`` uses) streams ``n_predict``
+  leaves, then frees the slot (as llama-server frees a slot about 0.5 s after its client left).
+  The first completion whose body contains ``LEAK_MARKER`` (``LEAK-ME``) takes a slot, sends
+  nothing and never gives the slot back, even after its client left (a leaked slot: ``/slots``
+  shows it busy with that request's ``id_task`` and nothing decoded, for good); later ones are
+  handled like ``STALL-ME``, so the worker keeps its other slots working. Every other
+  ``/completion`` (what ``/api/generate`` with ``raw`` uses) streams ``n_predict``
   tokens (at most 64) and ends like llama-server's (``stop_type`` ``limit``, ``timings``); other
   completion routes answer 501. ``/health``, ``/slots`` (a new ``id_task`` per
   request, ``n_decoded`` counting), ``/metrics``, ``/props`` and ``/lora-adapters`` answer like
@@ -38,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_common import health, key_auth  # noqa: E402
 
 STALL_MARKER = "STALL-ME"
+LEAK_MARKER = "LEAK-ME"
 
 
 class FakeSlots:
@@ -95,6 +100,7 @@ def main(argv: list[str]) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     fake_slots = FakeSlots(args.np, args.c // args.np)
+    leaked: list[int] = []  # the slot LEAK-ME took (at most one)
 
     async def slots(request):
         if wedged.is_set():
@@ -134,8 +140,11 @@ def main(argv: list[str]) -> None:
 
     async def answer_or_stall(request, body: bytes):
         i = await fake_slots.take()
+        if LEAK_MARKER.encode() in body and not leaked:
+            leaked.append(i)
+            await forever.wait()  # never released, whatever the client does
         try:
-            if STALL_MARKER.encode() in body:
+            if STALL_MARKER.encode() in body or LEAK_MARKER.encode() in body:
                 while request.transport is not None and not request.transport.is_closing():
                     await asyncio.sleep(0.05)
                 return web.Response(status=499)  # nobody reads it: the client left

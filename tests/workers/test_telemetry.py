@@ -45,6 +45,17 @@ def test_current_shape():
     assert [x.busy for x in s] == [False, True]
     assert s[1].kv_tokens == 771 and s[1].n_decoded == 766 and s[1].n_ctx == 2048
     assert s[0].kv_tokens == 0
+    assert [x.id_task for x in s] == [None, 1]  # none before a slot's first task
+
+
+def test_id_task_kept_while_idle_and_only_when_an_integer():
+    """This build names the previous task of an idle slot (``task_prev``); a build without the
+    field, or a value that is not an integer, gives None (no leaked-slot judgement)."""
+    idle = parse_slot({"id": 0, "is_processing": False, "id_task": 41})
+    assert (idle.busy, idle.id_task) == (False, 41)
+    assert [parse_slot({"id": 0, "is_processing": True, "id_task": v}).id_task
+            for v in ("41", True, None, 4.0)] == [None, None, None, None]
+    assert [x.id_task for x in parse_slots(OLDER)] == [None, None, None]
 
 
 def test_older_shape_and_missing_fields():
