@@ -209,7 +209,8 @@ class LiveCollector:
                                     labels=labels)
         restarts = CounterMetricFamily(
             f"{PREFIX}_worker_restarts",
-            "Worker restarts: crash, failed start, wedge, admin or reload restart, leaked slot", labels=labels)
+            "Worker restarts: crash, failed start, wedge, admin or reload restart, leaked slot",
+            labels=labels)
         up = GaugeMetricFamily(f"{PREFIX}_worker_up", "1 when the worker is ready and in rotation",
                                labels=labels)
         state = GaugeMetricFamily(f"{PREFIX}_worker_state", "1 for the worker's current state",
