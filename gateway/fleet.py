@@ -101,6 +101,7 @@ class Fleet:
         self._leak_restarts: set[str] = set()  # workers a leaked slot is restarting now
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._restarting: dict[str, asyncio.Task] = {}  # worker id → its restart in progress
         self.apply_scheduler(config.scheduler)
 
     def add_models(self, models: tuple[dict[str, Path], list["ModelEntry"]]) -> None:
@@ -234,7 +235,34 @@ class Fleet:
     async def restart_worker(self, worker_id: str, drain_s: float,
                              plan: WorkerPlan | None = None) -> WorkerSupervisor:
         """Drain ``worker_id`` (new requests go to other workers or wait in the queue), stop
-        it, and start it again with ``plan`` (default: the same plan)."""
+        it, and start it again with ``plan`` (default: the same plan); returns the new
+        supervisor.
+
+        The restart runs as a task of its own: a caller that is cancelled (an admin client
+        that left while the worker drained; aiohttp cancels its handler) does not stop it
+        halfway, which left the worker drained for good, or removed. A call for a worker whose
+        restart is still running waits for that restart; without a ``plan`` (the same restart
+        asked again: an admin's second click, a leak seen during an admin restart) it returns
+        its result, with one (a reload's new plan) it restarts the worker again after it."""
+        running = self._restarting.get(worker_id)
+        if running is not None:
+            try:
+                result = await asyncio.shield(running)
+            except Exception:  # noqa: BLE001 — that restart's own caller sees its error
+                result = None
+            if plan is None and result is not None:
+                return result
+        task = asyncio.get_running_loop().create_task(self._restart(worker_id, drain_s, plan))
+        self._restarting[worker_id] = task
+
+        def done(t: asyncio.Task) -> None:
+            if self._restarting.get(worker_id) is t:
+                del self._restarting[worker_id]
+        task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _restart(self, worker_id: str, drain_s: float,
+                       plan: WorkerPlan | None) -> WorkerSupervisor:
         plan = plan or self.plans[worker_id]
         order = list(self.supervisors)
         old = self.supervisors[worker_id]
@@ -433,6 +461,10 @@ class Fleet:
         return all(res)
 
     async def stop(self) -> None:
+        restarts = list(self._restarting.values())  # none may start a worker after this
+        for t in restarts:
+            t.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
         for p in self.pollers.values():
             await p.stop()
         for t in list(self._tasks):

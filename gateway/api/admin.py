@@ -38,6 +38,8 @@ application/json.
 
 from __future__ import annotations
 
+import asyncio
+
 
 import orjson
 from aiohttp import web
@@ -47,6 +49,8 @@ from gateway.auth import ADMIN_TOKEN_ENV, admin_token, is_admin_token
 from gateway.logs import get_logger
 from gateway.metrics import worker_state
 from workers.gpu import read_gpu_stats
+
+_running: set[asyncio.Task] = set()  # admin actions that outlive a client that left
 
 log = get_logger("gateway.api.admin")
 
@@ -157,7 +161,12 @@ async def restart(request: web.Request) -> web.Response:
 
 async def reload(request: web.Request) -> web.Response:
     _check_token(request)
-    res = await request.app["gw"].reloader.reload()
+    # Its own task: a client that leaves mid-reload (aiohttp then cancels this handler) must
+    # not stop the reload halfway, with some workers restarted and others not.
+    task = asyncio.get_running_loop().create_task(request.app["gw"].reloader.reload())
+    _running.add(task)  # a strong reference while it runs, also after this handler is gone
+    task.add_done_callback(_running.discard)
+    res = await asyncio.shield(task)
     if not res.ok:
         return _json({"error": "config not reloaded: " + "; ".join(res.errors), **res.as_dict()}, 400)
     return _json(res.as_dict())

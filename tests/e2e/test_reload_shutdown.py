@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -457,3 +458,68 @@ def test_queued_requests_for_a_model_removed_by_reload_get_404_in_each_apis_shap
     err = v1.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "model_not_found", err
     assert "removed from the gateway's config by a reload" in err["message"]
+
+
+def test_admin_restart_and_reload_finish_when_their_client_leaves(gateway_factory):
+    """An admin client that leaves while its restart drains the worker (a CLI timeout, Ctrl-C)
+    used to cancel the restart halfway (aiohttp cancels the handler): the worker stayed drained
+    for good. The restart and a reload now run to the end on their own; a second restart of
+    the same worker while the first runs waits for it instead of starting another process."""
+    cfg = base_config(free_port(), admin={"token": "t"}, shutdown={"drain_s": 4},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 2,
+                               "context": 65536, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    admin = {"Authorization": "Bearer t"}
+    old = gw.workers()[0]
+
+    def long_stream() -> None:  # keeps the drain waiting for drain_s
+        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
+            for _ in r.iter_lines():
+                pass
+
+    def leave_during_drain(path: str) -> None:
+        """POST ``path`` while a long stream keeps the worker busy; leave after 0.5 s."""
+        with cf.ThreadPoolExecutor(1) as ex:
+            ex.submit(long_stream)
+            wait = time.monotonic() + 20
+            while not gw.workers()[0]["busy"]:
+                assert time.monotonic() < wait
+                time.sleep(0.05)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(gw.url + path, headers=admin, timeout=0.5)
+
+    leave_during_drain("/gateway/api/admin/workers/demo-cpu0/restart")
+    end = time.monotonic() + 60
+    while True:
+        w = gw.workers()[0]
+        if w["state"] == "ready" and not w["draining"] and w["pid"] != old["pid"]:
+            break
+        assert time.monotonic() < end, f"worker never came back from its restart: {w}"
+        time.sleep(0.2)
+    assert w["restarts"] == old["restarts"] + 1
+    # two restarts of the same worker at once (a second click): one restart, one process
+    with cf.ThreadPoolExecutor(2) as ex:
+        both = [ex.submit(httpx.post, gw.url + "/gateway/api/admin/workers/demo-cpu0/restart",
+                          headers=admin, timeout=60) for _ in range(2)]
+        answers = [f.result(timeout=60) for f in both]
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    w2 = gw.wait_ready(60)[0]
+    assert {a.json()["pid"] for a in answers} == {w2["pid"]} and w2["restarts"] == w["restarts"] + 1
+    kids = [c for c in psutil.Process(gw.proc.pid).children(recursive=True)
+            if c.name() == "llama-server"]
+    assert [c.pid for c in kids] == [w2["pid"]]  # one process for the one worker
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "y", "raw": True,
+                   "stream": False, "options": {"num_predict": 3}}, timeout=30)
+    assert r.status_code == 200
+    # a reload whose client leaves during the drain still restarts the changed worker
+    on_disk = yaml.safe_load(gw.cfg_path.read_text())
+    on_disk["models"][0]["slots"] = 3
+    gw.cfg_path.write_text(yaml.safe_dump(on_disk))
+    leave_during_drain("/gateway/api/admin/reload")
+    end = time.monotonic() + 60
+    while '"event": "config.reloaded"' not in gw.log_path.read_text():
+        assert time.monotonic() < end, "the reload did not finish"
+        time.sleep(0.2)
+    w = gw.wait_ready(60)[0]
+    assert w["slots"] == 3 and not w["draining"]
