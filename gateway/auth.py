@@ -214,8 +214,14 @@ class HostCheck:
 
 # ---- CORS -----------------------------------------------------------------------------------
 
-CORS_METHODS = "GET, POST, PUT, DELETE, OPTIONS, HEAD"
-CORS_HEADERS = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, X-Request-ID, X-Priority"
+CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS, HEAD"  # gin-contrib/cors DefaultConfig
+# Ollama's AllowHeaders (the first five, then its OpenAI-compatibility headers: ``OpenAI-Beta``
+# and the ``x-stainless-*`` headers the OpenAI SDKs send) and the gateway's own; a preflight
+# also gets back whatever other header names it asked for (``Access-Control-Request-Headers``),
+# so a new SDK header does not break browser clients.
+CORS_HEADERS = ("Authorization, Content-Type, User-Agent, Accept, X-Requested-With, OpenAI-Beta, "
+                "X-Request-ID, X-Priority")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an RFC 9110 token
 
 # Origins Ollama allows without OLLAMA_ORIGINS (envconfig.AllowedOrigins: localhost, 127.0.0.1
 # and 0.0.0.0 over http and https, with any port or none; app://, file://, tauri://,
@@ -261,15 +267,24 @@ class Cors:
         """True for a request that carries an ``Origin`` that is not allowed (answer 403)."""
         return bool(origin) and self.allow(origin, host) is None
 
-    def headers(self, origin: str | None, preflight: bool, host: str = "") -> dict[str, str]:
+    def headers(self, origin: str | None, preflight: bool, host: str = "",
+                requested: str | None = None) -> dict[str, str]:
         """CORS response headers for an allowed ``origin`` ({} otherwise); with ``preflight``
-        also the allowed methods and headers and their cache time (600 s)."""
+        also the allowed methods and headers (``CORS_HEADERS`` plus the valid header names in
+        ``requested``, the preflight's ``Access-Control-Request-Headers``) and their cache
+        time (600 s)."""
         allow = self.allow(origin, host)
         if allow is None:
             return {}
         h = {"Access-Control-Allow-Origin": allow, "Vary": "Origin"}
         if preflight:
+            names = CORS_HEADERS
+            if requested:
+                known = {n.strip().lower() for n in CORS_HEADERS.split(",")}
+                extra = [n.strip() for n in requested.split(",")
+                         if _HEADER_NAME.fullmatch(n.strip()) and n.strip().lower() not in known]
+                names = ", ".join([CORS_HEADERS, *dict.fromkeys(extra)])
             h.update({"Access-Control-Allow-Methods": CORS_METHODS,
-                      "Access-Control-Allow-Headers": CORS_HEADERS,
+                      "Access-Control-Allow-Headers": names,
                       "Access-Control-Max-Age": "600"})
         return h

@@ -657,7 +657,7 @@ class HttpConfig(_Section):
     cors_origins: Annotated[list[str], PlainValidator(_v_origins)] = Field(default_factory=list)
     """Origins allowed besides Ollama's defaults (``gateway.auth.DEFAULT_ORIGINS``: local pages,
     apps, editors' webviews, browser extensions), e.g. "https://chat.example.com",
-    "http://192.168.1.*:*"; ``*`` matches any text, "*" alone every origin. A request from any
+    "http://192.168.1.20:*"; ``*`` matches any text, dots included, "*" alone every origin. A request from any
     other origin (``Origin`` header, not the gateway's own) gets 403, as with Ollama."""
     check_host: StrictBool = True
     """When listening on a loopback address, answer 403 to a Host header that is not local
@@ -959,6 +959,10 @@ def _translate(exc: ValidationError) -> list[str]:
                 out.append(_line(loc, "unknown key"))
         elif typ == "missing":
             hint = _MISSING_HINT.get(str(loc[-1])) if loc else None
+            if loc[:1] == ("auth",) and loc[-1] == "name":  # an API key's name is a label
+                hint = "a label for logs, like \"webui\""
+            elif loc[:1] == ("auth",) and loc[-1] == "sha256":
+                hint = "the key's SHA-256 hex digest (llama-gateway hash-key)"
             out.append(_line(loc, f"required key is missing (expected {hint})" if hint else "required key is missing"))
         elif typ in ("model_type", "model_attributes_type", "dict_type"):
             out.append(_line(loc, f"expected a mapping, got {_got(err.get('input'))}"))

@@ -181,7 +181,8 @@ class Guard:
                         origin=header_text(origin), path=path)
             raise ApiError(403, "origin not allowed")
         if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
-            hdrs = self.cors.headers(origin, preflight=True, host=host)
+            hdrs = self.cors.headers(origin, preflight=True, host=host,
+                                     requested=request.headers.get("Access-Control-Request-Headers"))
             if not hdrs:
                 raise ApiError(403, "origin not allowed")
             return web.Response(status=204, headers=hdrs)

@@ -114,3 +114,19 @@ def test_own_interface_addresses_are_allowed():
         assert allowed_host(f"[{a}]:11434" if ":" in a else f"{a}:11434"), a
         if ":" in a:
             assert allowed_host(f"[{a}%25eth0]:11434"), a
+
+
+def test_preflight_allows_the_openai_sdk_headers_and_what_it_asks_for():
+    """A browser using the OpenAI JS SDK asks for ``x-stainless-*`` and ``OpenAI-Beta`` in its
+    preflight (Ollama allows them); they and any other valid header name asked for are
+    allowed, a malformed name is not echoed (a tester's find: "Failed to fetch")."""
+    c = Cors(cfg())
+    h = c.headers("http://localhost:3000", True, requested=(
+        "authorization,content-type,x-stainless-os,x-stainless-retry-count,openai-beta,bad name"))
+    allowed = [n.strip().lower() for n in h["Access-Control-Allow-Headers"].split(",")]
+    assert {"authorization", "content-type", "x-stainless-os", "x-stainless-retry-count",
+            "openai-beta", "x-priority"} <= set(allowed)
+    assert "bad name" not in allowed and len(allowed) == len(set(allowed))
+    assert "PATCH" in h["Access-Control-Allow-Methods"]
+    assert c.headers("http://localhost:3000", False, requested="x-a") == {
+        "Access-Control-Allow-Origin": "http://localhost:3000", "Vary": "Origin"}

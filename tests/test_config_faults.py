@@ -38,3 +38,15 @@ def test_errors_name_key_paths():
     assert "llama_server.crash_loop_window_s: expected a positive number, got -1" in text
     assert 'llama_server.leaked_slot_s: expected a number >= 0, got "1m"' in text
     assert "http.cors_origins: expected a list of origins" in text
+
+
+def test_api_key_missing_name_or_digest_says_what_it_is():
+    """An API key's ``name`` is a label, not a model name (a tester read "expected a model
+    name" for it); a missing ``sha256`` says where the digest comes from."""
+    for keys, text in (([{"sha256": "a" * 64}], 'auth.keys[0].name: required key is missing '
+                                                '(expected a label for logs, like "webui")'),
+                       ([{"name": "webui"}], "auth.keys[0].sha256: required key is missing "
+                                             "(expected the key's SHA-256 hex digest")):
+        with pytest.raises(ConfigError) as e:
+            parse_config({"models": [{"name": "demo", "path": "builtin:demo"}], "auth": {"keys": keys}})
+        assert text in str(e.value), str(e.value)

@@ -264,6 +264,11 @@ def test_cors_for_configured_and_default_origins_and_403_for_others(secured):
         "Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization"})
     assert pre.status_code == 204 and "Authorization" in pre.headers["Access-Control-Allow-Headers"]
+    pre = httpx.options(secured.url + "/v1/chat/completions", headers={  # the OpenAI JS SDK's
+        "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os,openai-beta"})
+    allowed = pre.headers["Access-Control-Allow-Headers"].lower()
+    assert pre.status_code == 204 and "x-stainless-os" in allowed and "openai-beta" in allowed
     pre = httpx.options(secured.url + "/api/chat", headers={
         "Origin": "http://evil.com", "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 403
