@@ -221,6 +221,7 @@ CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS, HEAD"  # gin-contrib/cor
 # so a new SDK header does not break browser clients.
 CORS_HEADERS = ("Authorization, Content-Type, User-Agent, Accept, X-Requested-With, OpenAI-Beta, "
                 "X-Request-ID, X-Priority")
+_CORS_HEADER_SET = frozenset(n.strip().lower() for n in CORS_HEADERS.split(","))
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an RFC 9110 token
 
 # Origins Ollama allows without OLLAMA_ORIGINS (envconfig.AllowedOrigins: localhost, 127.0.0.1
@@ -280,9 +281,9 @@ class Cors:
         if preflight:
             names = CORS_HEADERS
             if requested:
-                known = {n.strip().lower() for n in CORS_HEADERS.split(",")}
-                extra = [n.strip() for n in requested.split(",")
-                         if _HEADER_NAME.fullmatch(n.strip()) and n.strip().lower() not in known]
+                asked = (n.strip() for n in requested.split(","))
+                extra = [n for n in asked
+                         if _HEADER_NAME.fullmatch(n) and n.lower() not in _CORS_HEADER_SET]
                 names = ", ".join([CORS_HEADERS, *dict.fromkeys(extra)])
             h.update({"Access-Control-Allow-Methods": CORS_METHODS,
                       "Access-Control-Allow-Headers": names,

@@ -65,7 +65,7 @@ def slots_work(slots: Any) -> frozenset | None:
         s = parse_slot(obj)
         if not s.busy:
             return None
-        work.append((s.id, obj.get("id_task"), obj.get("n_prompt_tokens_processed"), s.n_decoded))
+        work.append((s.id, s.id_task, obj.get("n_prompt_tokens_processed"), s.n_decoded))
     return frozenset(work)
 
 

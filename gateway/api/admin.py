@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 
-
 import orjson
 from aiohttp import web
 

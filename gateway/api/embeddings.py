@@ -35,7 +35,7 @@ from aiohttp import web
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import require
 from gateway.api.common import make_ticket, note_upstream_error, read_json, t0_ns
-from gateway.api.errors import ApiError, admission_error, model_not_found_v1
+from gateway.api.errors import ApiError, admission_error, resolve_v1_model
 from gateway.api.ollama import resolve_model
 from gateway.api.ollama_mapping import parse_keep_alive
 from gateway.inventory import ModelEntry
@@ -251,14 +251,8 @@ async def v1_embeddings(request: web.Request) -> web.Response:
     ``encoding_format`` float|base64; ``dimensions``) → ``{"object":"list","data":[{"object":
     "embedding","embedding","index"}],"model","usage"}``. Errors in the OpenAI shape."""
     body = await read_json(request)
-    name = body.get("model")
-    if name is not None and not isinstance(name, str):
-        raise ApiError(400, "model must be a string")  # as /api (a tester's find)
-    if not name:
-        raise ApiError(400, "model is required")
-    entry = request.app["gw"].inventory.resolve(name)
-    if entry is None:  # OpenAI's answer, where the Ollama routes say "model '<name>' not found"
-        raise model_not_found_v1(name)
+    entry = resolve_v1_model(request.app["gw"].inventory, body)
+    name = body["model"]
     await _check_embedding(request, body, entry)
     raw = body.get("input")
     if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw)):

@@ -40,6 +40,21 @@ def model_not_found_v1(name: str) -> ApiError:
                     code="model_not_found", type="invalid_request_error")
 
 
+def resolve_v1_model(inventory, body: dict):
+    """The served model (``ModelEntry``) a ``/v1`` inference body names. Raises ApiError 400
+    ``model must be a string`` (as ``/api``) or ``model is required``, or OpenAI's 404
+    (:func:`model_not_found_v1`) for a model that is not served."""
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise ApiError(400, "model must be a string")
+    if not name:
+        raise ApiError(400, "model is required")
+    entry = inventory.resolve(name)
+    if entry is None:
+        raise model_not_found_v1(name)
+    return entry
+
+
 def ollama_error(status: int, message: str, headers: dict | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps({"error": message}),
                         content_type="application/json", headers=headers)
@@ -74,18 +89,13 @@ def error_response(path: str, e: ApiError) -> web.Response:
 def admission_error(e: Exception, retry_after_s: int) -> ApiError:
     """Admission's answer for a request it will not run, as ApiError (503 unless the refusal
     says otherwise): ``QueueFull`` (Ollama's ``ErrMaxQueue`` text), ``QueueTimeout``, or a
-    refusal of gateway.scheduling.refusals (``Unavailable``: its status, text and Retry-After
-    rule; ``ModelRemoved`` carries OpenAI's ``model_not_found`` code and
-    ``invalid_request_error`` type for ``/v1``, as an unknown model there); ``retry_after_s``:
-    the configured ``queue.retry_after_s``."""
+    refusal of gateway.scheduling.refusals (``Unavailable``: its status, text, Retry-After
+    rule and OpenAI ``code``/``type``); ``retry_after_s``: the configured
+    ``queue.retry_after_s``."""
     from gateway.admission import QueueFull, QueueTimeout  # admission does not import the API
-    from gateway.scheduling.refusals import ModelRemoved
     retry = {"Retry-After": str(retry_after_s)}
     if isinstance(e, QueueFull):
         return ApiError(503, BUSY_MESSAGE, retry)
     if isinstance(e, QueueTimeout):
         return ApiError(503, QUEUE_TIMEOUT_MESSAGE, retry)
-    if isinstance(e, ModelRemoved):  # /v1: OpenAI's unknown-model code; /api shows the text only
-        return ApiError(e.status, str(e), e.headers(retry_after_s), code="model_not_found",
-                        type="invalid_request_error")
-    return ApiError(e.status, str(e), e.headers(retry_after_s))
+    return ApiError(e.status, str(e), e.headers(retry_after_s), code=e.code, type=e.type)

@@ -22,7 +22,7 @@ from gateway.api.common import (make_ticket, note_upstream_error, read_json, sta
                                 visible_entries)
 from gateway.api.capabilities import require
 from gateway.api.errors import (ApiError, admission_error, model_not_found_v1, openai_error,
-                                openai_error_body)
+                                openai_error_body, resolve_v1_model)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.api.openai_usage import UsageSum
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage, note_usage
@@ -37,14 +37,8 @@ def _gw(request: web.Request):
 async def _relay_completion(request: web.Request, path: str, required: str) -> web.StreamResponse:
     gw = _gw(request)
     body = await read_json(request)
-    name = body.get("model")
-    if name is not None and not isinstance(name, str):
-        raise ApiError(400, "model must be a string")  # as /api (a tester's find)
-    if not name:
-        raise ApiError(400, "model is required")
-    entry = gw.inventory.resolve(name)
-    if entry is None:
-        raise model_not_found_v1(name)
+    entry = resolve_v1_model(gw.inventory, body)
+    name = body["model"]
     # As /api/chat and /api/generate (Ollama routes /v1 through them): an embedding model
     # answers 400 "does not support chat|generate", not a generation.
     await require(gw, entry, "chat" if required == "messages" else "generate", name)

@@ -40,10 +40,13 @@ class Unavailable(Exception):
         status: HTTP status to answer with.
         retry: whether a Retry-After header is sent.
         retry_after_s: its value in seconds; None means the configured ``queue.retry_after_s``.
+        code / type: OpenAI's error ``code`` and ``type`` for ``/v1`` (None: by status).
     """
 
     status = 503
     retry = True
+    code: str | None = None
+    type: str | None = None
 
     def __init__(self, model: str, message: str, retry_after_s: int | None = None):
         super().__init__(message)
@@ -92,6 +95,8 @@ class ModelRemoved(Unavailable):
 
     status = 404
     retry = False
+    code = "model_not_found"  # /v1: as an unknown model there (errors.model_not_found_v1)
+    type = "invalid_request_error"
 
     def __init__(self, model: str):
         super().__init__(model, model_removed(model))
