@@ -122,7 +122,7 @@ async def test_counters_of_a_real_worker_count_finished_sequences(tmp_path):
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
             async def counters():
                 async with s.get(url + "/metrics") as r:
                     return parse_metrics(await r.text())
@@ -146,5 +146,12 @@ async def test_counters_of_a_real_worker_count_finished_sequences(tmp_path):
                                                rel=1e-3)
             resp.close()
     finally:
+        # llama-server can sit on SIGTERM while a generation is still running (field case 11:
+        # once, this wait hung the CI run for pytest's 300 s): SIGKILL after 10 s, as the
+        # supervisor's stop_grace_s does.
         proc.terminate()
-        await proc.wait()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
