@@ -233,7 +233,8 @@ class Fleet:
         return sup
 
     async def restart_worker(self, worker_id: str, drain_s: float,
-                             plan: WorkerPlan | None = None) -> WorkerSupervisor:
+                             plan: WorkerPlan | None = None,
+                             ready_timeout_s: float | None = None) -> WorkerSupervisor:
         """Drain ``worker_id`` (new requests go to other workers or wait in the queue), stop
         it, and start it again with ``plan`` (default: the same plan); returns the new
         supervisor.
@@ -243,7 +244,12 @@ class Fleet:
         halfway, which left the worker drained for good, or removed. A call for a worker whose
         restart is still running waits for that restart; without a ``plan`` (the same restart
         asked again: an admin's second click, a leak seen during an admin restart) it returns
-        its result, with one (a reload's new plan) it restarts the worker again after it."""
+        its result, with one (a reload's new plan) it restarts the worker again after it.
+
+        A restart lasts until the new process is ready (or ``failed``, or past
+        ``ready_timeout_s`` seconds, default ``llama_server.startup_timeout_s``): a second
+        click while the new process still loads joins this restart instead of stopping that
+        process and leaving the first caller waiting for a worker that never comes up."""
         running = self._restarting.get(worker_id)
         if running is not None:
             try:
@@ -252,7 +258,10 @@ class Fleet:
                 result = None
             if plan is None and result is not None:
                 return result
-        task = asyncio.get_running_loop().create_task(self._restart(worker_id, drain_s, plan))
+        if ready_timeout_s is None:
+            ready_timeout_s = self.config.llama_server.startup_timeout_s
+        task = asyncio.get_running_loop().create_task(
+            self._restart(worker_id, drain_s, plan, ready_timeout_s))
         self._restarting[worker_id] = task
 
         def done(t: asyncio.Task) -> None:
@@ -261,8 +270,8 @@ class Fleet:
         task.add_done_callback(done)
         return await asyncio.shield(task)
 
-    async def _restart(self, worker_id: str, drain_s: float,
-                       plan: WorkerPlan | None) -> WorkerSupervisor:
+    async def _restart(self, worker_id: str, drain_s: float, plan: WorkerPlan | None,
+                       ready_timeout_s: float) -> WorkerSupervisor:
         plan = plan or self.plans[worker_id]
         order = list(self.supervisors)
         old = self.supervisors[worker_id]
@@ -272,6 +281,7 @@ class Fleet:
         sup.slot_leaks = old.slot_leaks
         self.supervisors = {k: self.supervisors[k] for k in order if k in self.supervisors} | \
             self.supervisors  # keep the fleet's order for listings
+        await sup.wait_ready(ready_timeout_s)
         return sup
 
     def _on_ready(self, sup: WorkerSupervisor) -> None:

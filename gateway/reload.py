@@ -156,8 +156,9 @@ class Reloader:
         for plan in diff.changed:  # one at a time, each drained first
             log.info("worker.reload_restart", worker=plan.id, slots=plan.slots,
                      context=plan.context)
-            sup = await fleet.restart_worker(plan.id, drain_s, plan)
-            if not await sup.wait_ready(new.llama_server.startup_timeout_s):
+            sup = await fleet.restart_worker(plan.id, drain_s, plan,
+                                             new.llama_server.startup_timeout_s)
+            if not sup.ready:
                 log.warning("worker.reload_not_ready", worker=plan.id, state=sup.state,
                             detail=sup.detail)
         for plan in diff.removed:  # no new leases; a model left without workers is refused

@@ -101,6 +101,7 @@ class WorkerSupervisor:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._ready_evt = asyncio.Event()
+        self._stopped_evt = asyncio.Event()
         self.log = get_logger("workers.supervisor", worker=spec.worker_id, gpu=spec.gpu_label)
 
     @property
@@ -113,14 +114,25 @@ class WorkerSupervisor:
 
     def start(self) -> None:
         self._stopping = False
+        self._stopped_evt.clear()
         self._task = asyncio.create_task(self._run(), name=f"supervise-{self.id}")
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
-        try:
-            await asyncio.wait_for(self._ready_evt.wait(), timeout)
+        """Wait up to ``timeout`` seconds (None: no bound) for ``ready``; True once ready.
+        False at the timeout, and at once when the supervisor is (or gets) stopped: a worker
+        restarted or removed meanwhile never becomes ready, and its waiter must not hang."""
+        if self._ready_evt.is_set():
             return True
-        except asyncio.TimeoutError:
+        if self._stopped_evt.is_set():
             return False
+        waits = [asyncio.ensure_future(self._ready_evt.wait()),
+                 asyncio.ensure_future(self._stopped_evt.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return self._ready_evt.is_set()
 
     def _set_state(self, state: str, detail: str = "", retry_at: float | None = None) -> None:
         """The one writer of ``state``, ``detail`` and ``retry_at`` (``time.monotonic`` seconds
@@ -354,7 +366,9 @@ class WorkerSupervisor:
                 await asyncio.wait_for(self._task, self.stop_grace_s + 5)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
+        self._ready_evt.clear()
         self._set_state("stopped")
+        self._stopped_evt.set()
 
     def kill(self) -> None:
         """SIGKILL the current process now (tests, admin restart). Supervision restarts it."""

@@ -152,8 +152,7 @@ async def restart(request: web.Request) -> web.Response:
     _check_token(request)
     gw, sup = _worker(request)
     log.info("admin.restart", worker=sup.id)
-    new = await gw.fleet.restart_worker(sup.id, gw.config.shutdown.drain_s)
-    await new.wait_ready(gw.config.llama_server.startup_timeout_s)
+    new = await gw.fleet.restart_worker(sup.id, gw.config.shutdown.drain_s)  # returns once ready
     return _json({"worker": new.id, "state": new.state, "detail": new.detail,
                   "pid": new.process.pid if new.process else None})
 

@@ -3,13 +3,13 @@
 import concurrent.futures as cf
 import os
 import signal
-import stat
 import time
 
 import httpx
 import pytest
 
 from tests.conftest import base_config, free_port, pid_alive, start_gateway
+from tests.fakes import slow_start_binary
 from workers.provision import ensure_llama_server
 
 pytestmark = pytest.mark.slow
@@ -59,10 +59,7 @@ def test_kill_gateway_leaves_no_worker(tmp_path):
 def test_requests_during_worker_load_wait_without_503(tmp_path, gateway_factory):
     """Field case 12. The binary is a wrapper that sleeps 3 s before exec'ing the real
     llama-server, so the workers are loading while the requests arrive."""
-    real = ensure_llama_server()
-    wrapper = tmp_path / "slow-llama-server"
-    wrapper.write_text(f"#!/bin/sh\nsleep 3\nexec '{real}' \"$@\"\n")
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    wrapper, _ = slow_start_binary(tmp_path, str(ensure_llama_server()), 3)
     cfg = base_config(free_port(), llama_server={"binary": str(wrapper), "threads": 1})
     gw = gateway_factory(cfg, wait=False)
     states = {w["state"] for w in gw.workers()}

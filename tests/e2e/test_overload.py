@@ -10,7 +10,6 @@ with Ollama's 503 JSON body, none with 500, all within the time limit.
 from __future__ import annotations
 
 import asyncio
-import stat
 
 import aiohttp
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from gateway.api.errors import BUSY_MESSAGE
 from tests.conftest import base_config, free_port
 from tests.e2e.compat_helpers import embed_model, model
+from tests.fakes import slow_start_binary
 from workers.provision import ensure_llama_server
 
 pytestmark = pytest.mark.slow
@@ -34,10 +34,7 @@ async def _fire(url: str, bodies: list[dict], limit_s: float) -> list[tuple[int,
 
 
 def test_case2_embeds_during_load_wait_and_overflow_is_503_not_500(tmp_path, gateway_factory):
-    real = ensure_llama_server()
-    wrapper = tmp_path / "slow-llama-server"
-    wrapper.write_text(f"#!/bin/sh\nsleep 3\nexec '{real}' \"$@\"\n")
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    wrapper, _ = slow_start_binary(tmp_path, str(ensure_llama_server()), 3)
     cfg = base_config(free_port(), llama_server={"binary": str(wrapper), "threads": 1},
                       models=[embed_model(cpu=2), model("demo", cpu=1)],
                       queue={"max_pending": 512})

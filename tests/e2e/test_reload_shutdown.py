@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import socket
-import stat
 import subprocess
 import threading
 import time
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import base_config, free_port, llama_server_pids, pid_alive, start_gateway
+from tests.fakes import slow_start_binary
 from workers.provision import cache_root, ensure_llama_server
 
 pytestmark = pytest.mark.slow
@@ -200,15 +200,7 @@ def test_field_17_sigterm_with_two_long_generations(tmp_path):
 def test_field_13_startup_timeout_backoff_retry(tmp_path, gateway_factory):
     """The binary is a deliberately slow fake wrapper: its first two starts sleep 4 s (over
     the 1.5 s startup timeout), later starts exec the real llama-server at once."""
-    real = ensure_llama_server()
-    counter = tmp_path / "starts"
-    wrapper = tmp_path / "slow-first-starts-fake-llama-server"
-    wrapper.write_text(f"""#!/bin/sh
-n=$(cat '{counter}' 2>/dev/null || echo 0); n=$((n+1)); echo $n > '{counter}'
-if [ $n -le 2 ]; then sleep 4; fi
-exec '{real}' "$@"
-""")
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    wrapper, counter = slow_start_binary(tmp_path, str(ensure_llama_server()), 4, last=2)
     cfg = base_config(free_port(), llama_server={"binary": str(wrapper), "threads": 1,
                                                  "startup_timeout_s": 1.5,
                                                  "restart_backoff_initial_s": 1.0},
@@ -458,6 +450,45 @@ def test_queued_requests_for_a_model_removed_by_reload_get_404_in_each_apis_shap
     err = v1.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "model_not_found", err
     assert "removed from the gateway's config by a reload" in err["message"]
+
+
+def test_second_admin_restart_while_the_new_process_loads_joins_the_first(tmp_path,
+                                                                          gateway_factory):
+    """A second restart click that lands while the first restart's new process still loads
+    joins that restart: both answer 200 with the same pid, one restart is counted, one
+    process runs. (CI failure at 3c4b245: the second click stopped the loading process and
+    started another, and the first click waited for a worker that never came up.) The
+    binary is a deliberately slow fake wrapper: every start after the first sleeps 3 s, then
+    execs the real llama-server."""
+    wrapper, counter = slow_start_binary(tmp_path, str(ensure_llama_server()), 3, first=2)
+    cfg = base_config(free_port(), llama_server={"binary": str(wrapper), "threads": 1},
+                      admin={"token": "t"},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    old = gw.workers()[0]
+    url = gw.url + "/gateway/api/admin/workers/demo-cpu0/restart"
+    admin = {"Authorization": "Bearer t"}
+    with cf.ThreadPoolExecutor(2) as ex:
+        first = ex.submit(httpx.post, url, headers=admin, timeout=60)
+        end = time.monotonic() + 20
+        while True:  # the new process is there, still in the wrapper's sleep
+            w = gw.workers()[0]
+            if w["pid"] not in (None, old["pid"]):
+                break
+            assert time.monotonic() < end, f"the first restart never started a process: {w}"
+            time.sleep(0.05)
+        assert w["state"] == "starting", w
+        second = ex.submit(httpx.post, url, headers=admin, timeout=60)
+        answers = [first.result(timeout=60), second.result(timeout=60)]
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    now = gw.workers()[0]
+    assert [a.json()["pid"] for a in answers] == [now["pid"], now["pid"]] == [w["pid"]] * 2
+    assert [a.json()["state"] for a in answers] == ["ready", "ready"]
+    assert now["restarts"] == old["restarts"] + 1 and int(counter.read_text()) == 2
+    kids = [c.pid for c in psutil.Process(gw.proc.pid).children(recursive=True)
+            if c.name() == "llama-server"]
+    assert kids == [now["pid"]]
 
 
 def test_admin_restart_and_reload_finish_when_their_client_leaves(gateway_factory):

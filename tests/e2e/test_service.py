@@ -5,7 +5,6 @@ import os
 import re
 import shutil
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, base_config, free_port, pid_alive, start_gateway
+from tests.fakes import slow_start_binary
 from workers.provision import ensure_llama_server
 
 pytestmark = pytest.mark.slow
@@ -40,10 +40,7 @@ def _stop(gw) -> None:
 def test_notify_ready_after_workers_healthy_then_watchdog(tmp_path):
     """A real NOTIFY_SOCKET owned by the test. Workers start through a deliberately slow
     wrapper (sleeps 2 s, then execs llama-server), so there is a window before READY=1."""
-    real = ensure_llama_server()
-    wrapper = tmp_path / "slow-start-fake-wrapper"
-    wrapper.write_text(f"#!/bin/sh\nsleep 2\nexec '{real}' \"$@\"\n")
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    wrapper, _ = slow_start_binary(tmp_path, str(ensure_llama_server()), 2)
     sock_path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(sock_path))

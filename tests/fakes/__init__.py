@@ -68,3 +68,21 @@ def exiting_binary(tmp_path: Path, real: str, *, go: Path, heal: Path) -> Path:
         "exit 1\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script
+
+
+def slow_start_binary(tmp_path: Path, real: str, sleep_s: float, *, first: int = 1,
+                      last: int | None = None) -> tuple[Path, Path]:
+    """A slow-loading stand-in for ``llama_server.binary``: spawns number ``first`` to
+    ``last`` (1-based, counted over the whole gateway; ``last`` None: no end) sleep
+    ``sleep_s`` seconds before they exec the real llama-server ``real``; the others exec it at
+    once. Returns the script and the file that holds the number of spawns so far."""
+    counter = tmp_path / "slow-start-spawns"
+    script = tmp_path / "slow-start-llama-server"
+    upper = "" if last is None else f" && [ $n -le {last} ]"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"n=$(cat '{counter}' 2>/dev/null || echo 0); n=$((n+1)); echo $n > '{counter}'\n"
+        f"if [ $n -ge {first} ]{upper}; then sleep {sleep_s}; fi\n"
+        f"exec '{real}' \"$@\"\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script, counter
