@@ -59,6 +59,10 @@ class Admission:
         self._deliver(self.dispatcher.set_draining(worker_id, draining, held))
         self.refuse_queued()
 
+    def worker_checking(self, worker_id: str, checking: bool) -> None:
+        """A stall check of the worker started or ended (``Dispatcher.set_checking``)."""
+        self._deliver(self.dispatcher.set_checking(worker_id, checking))
+
     def worker_failed(self, worker_id: str, failed: bool, retry_at: float | None = None) -> None:
         """The supervisor entered (or left) crash-loop ``failed``; ``retry_at``: ``time.monotonic``
         seconds of its next start. When no worker of the model is left, its queued requests get

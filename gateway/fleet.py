@@ -162,7 +162,8 @@ class Fleet:
                           log_verbosity=None if self.config.log.level == "debug"
                           else QUIET_LOG_VERBOSITY)
         sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
-                               on_state=self._on_state, state_dir=self.state_dir,
+                               on_state=self._on_state, on_check=self._on_check,
+                               state_dir=self.state_dir,
                                **supervision(ls))
         self.supervisors[plan.id] = sup
         self.plans[plan.id] = plan
@@ -288,6 +289,7 @@ class Fleet:
         self._apply_speeds(self.speeds.forget(sup.id))  # a new process: measured afresh
         self._forget_slots(sup.id)  # a new process: its task ids start again
         actual = getattr(sup, "actual_slots", sup.spec.slots)
+        self.admission.worker_checking(sup.id, False)  # a new process: no check of it runs
         self.admission.worker_slots(sup.id, actual)
         if sup.slots_n_ctx:
             self.admission.worker_context(sup.id, int(sup.slots_n_ctx),
@@ -301,6 +303,7 @@ class Fleet:
     def _on_down(self, sup: WorkerSupervisor, reason: str) -> None:
         log.warning("worker.down", worker=sup.id, gpu=sup.spec.gpu_label, reason=reason)
         self.admission.worker_ready(sup.id, False)
+        self.admission.worker_checking(sup.id, False)
         self._forget_slots(sup.id)
         self._apply_speeds(self.speeds.forget(sup.id))
         if self.upstream is not None:
@@ -340,6 +343,11 @@ class Fleet:
         if sup is not None:
             view = self.admission.dispatcher.workers.get(worker_id)
             sup.note_stall(no_free_slot=view is not None and view.all_slots_taken)
+
+    def _on_check(self, sup: WorkerSupervisor, running: bool) -> None:
+        """A stall check of the worker was asked for (True) or passed (False): while it
+        runs, new work goes to the model's other workers (``Dispatcher.set_checking``)."""
+        self.admission.worker_checking(sup.id, running)
 
     def note_progress(self, worker_id: str) -> None:
         """Watchdog: a request on this worker received data."""

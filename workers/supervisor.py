@@ -42,6 +42,7 @@ from workers.stall_check import check_worker
 ReadyCallback = Callable[["WorkerSupervisor"], None]
 DownCallback = Callable[["WorkerSupervisor", str], None]
 StateCallback = Callable[["WorkerSupervisor"], None]
+CheckCallback = Callable[["WorkerSupervisor", bool], None]
 
 
 class WorkerSupervisor:
@@ -52,6 +53,9 @@ class WorkerSupervisor:
         on_ready: called when ``/health`` answers 200 and ``/slots`` was read back.
         on_down: called with a reason when a ready worker stops being usable.
         on_state: called after every change of ``state`` (optional).
+        on_check: called with True when a stall check is asked for (``note_stall``) and with
+            False when it passed (optional). A failed check ends in ``on_down`` instead, so
+            the worker never looks usable in between.
         startup_timeout_s: longest wait for ``/health`` 200 after spawn.
         backoff_initial_s / backoff_max_s: restart delay, doubled after each failed run,
             reset after a run that stayed ready for 60 s.
@@ -67,11 +71,13 @@ class WorkerSupervisor:
                  liveness_interval_s: float = 2.0, liveness_timeout_s: float = 5.0,
                  wedge_after_stalls: int = 2, crash_loop_restarts: int = 5,
                  crash_loop_window_s: float = 120.0, failed_retry_s: float = 300.0,
-                 on_state: StateCallback | None = None):
+                 on_state: StateCallback | None = None,
+                 on_check: CheckCallback | None = None):
         self.spec = spec
         self.on_ready = on_ready
         self.on_down = on_down
         self.on_state = on_state
+        self.on_check = on_check
         self.startup_timeout_s = startup_timeout_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -236,6 +242,8 @@ class WorkerSupervisor:
         self.stalls += 1
         if self.ready and (no_free_slot or self.stalls >= self.wedge_after_stalls):
             self._stall_check.set()
+            if self.on_check is not None:
+                self.on_check(self, True)
 
     def note_progress(self) -> None:
         """A request on this worker received data: it is alive."""
@@ -297,6 +305,8 @@ class WorkerSupervisor:
                          pid=proc.pid)
         self.stalls = 0
         self._stall_check.clear()
+        if self.on_check is not None:
+            self.on_check(self, False)
         return None
 
     async def _probe_slots(self, proc: WorkerProcess, http: aiohttp.ClientSession,

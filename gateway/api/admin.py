@@ -87,7 +87,7 @@ def snapshot(gw) -> dict:
             "sequence_tokens_per_s": _round(gw.fleet.speeds.rate(sup.id), 1),
             "gpu": g.__dict__ if g else None,
             "crashes": sup.crashes, "wedges": sup.wedges, "crash_loops": sup.crash_loops,
-            "slot_leaks": sup.slot_leaks,
+            "slot_leaks": sup.slot_leaks, "stall_check": bool(view and view.checking),
         })
     return {"workers": out,
             "queue": {"depth": gw.dispatcher.queue.requests(), "waiting_inputs": len(gw.dispatcher.queue),

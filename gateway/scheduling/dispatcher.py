@@ -177,6 +177,19 @@ class Dispatcher:
         w.retry_at = retry_at if failed else None
         return []
 
+    def set_checking(self, worker_id: str, checking: bool) -> list[Dispatch]:
+        """A stall check of the worker started or ended (``WorkerView.checking``). While it
+        runs the worker gets new work only when no other worker of its model is in rotation
+        (``_candidates``): a silent worker is then not handed the requests that arrive during
+        the check (each would wait ``first_byte_s`` for a first byte before its retry), and a
+        model's only worker still takes them, so they fail fast when it is really silent
+        instead of waiting out the check. Unknown ids are ignored."""
+        w = self.workers.get(worker_id)
+        if w is None or w.checking == checking:
+            return []
+        w.checking = checking
+        return [] if checking else self.pump()
+
     def set_slots(self, worker_id: str, slots: int) -> list[Dispatch]:
         """Change a worker's slot count (e.g. read back from ``/slots``)."""
         if slots < 1:
@@ -216,6 +229,10 @@ class Dispatcher:
         kv = getattr(self.scorer, "kv_aware", False)
         cands = [w for w in self.workers.values()
                  if w.accepts(ticket.model, ticket.slots) and (not kv or w.fits(ticket))]
+        if any(w.checking for w in cands) and any(
+                w.in_rotation and not w.checking and w.model == ticket.model
+                and w.slots >= ticket.slots for w in self.workers.values()):
+            cands = [w for w in cands if not w.checking]  # wait for a worker not under check
         if ticket.avoid:  # a retry: another worker if one can take it now, else the same
             return [w for w in cands if w.id not in ticket.avoid] or cands
         return cands

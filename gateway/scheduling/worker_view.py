@@ -57,6 +57,9 @@ class WorkerView:
         retry_at: clock seconds of the supervisor's next start of a failed worker (None: none).
         retiring: a reload is removing it (draining, then stopping): it no longer counts as a
             worker of its model, so a model left without others is refused at once.
+        checking: its supervisor is checking it after stalls (``workers.stall_check``, up to
+            ``liveness_timeout_s``): new work goes to its model's other workers while one of
+            them is in rotation (``Dispatcher``), and to it only when it is the last.
         order: position in the fleet, for stable tie-breaking.
         n_ctx: per-slot context (tokens), 0 = unknown (no per-slot check).
         kv_capacity: KV cells of the whole worker (tokens, llama-server ``-c``); 0 = unknown.
@@ -75,6 +78,7 @@ class WorkerView:
     failed: bool = False  # crash-loop ``failed``: the supervisor gave up restarting it for now
     retry_at: float | None = None  # clock seconds of its next automatic start while failed
     retiring: bool = False  # a reload is removing it
+    checking: bool = False  # a stall check runs: the model's last resort until it ends
     order: int = 0
     n_ctx: int = 0
     kv_capacity: int = 0

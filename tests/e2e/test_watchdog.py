@@ -561,3 +561,69 @@ def test_request_deadline_frees_slot(tmp_path, gateway_factory):
     assert worker["busy"] == 0
     wait_for(lambda: not any(s.get("is_processing") for s in gw.slots(worker)), 5,
              "worker slot idle")
+
+
+def test_requests_during_a_stall_check_wait_for_the_steady_worker(tmp_path, gateway_factory):
+    """Case 10 (a fresh tester's find): a worker whose stall check is running gets no new
+    work while another worker of its model is in rotation. 2 workers × 1 slot, the first a
+    FAKE silent worker (its restart and the other are real). Request A stalls on the FAKE
+    while a long stream keeps the real worker busy; A held the FAKE's only slot, so the FAKE
+    is checked at once (``liveness_timeout_s`` 6 s, which it fails: the slot never frees).
+    A's retry, and request B sent during that check, wait for the real worker (or the FAKE's
+    real restart). Before, either went to the FAKE, whose slot the gateway counts as free once
+    A left it, and stalled there for ``first_byte_s`` more before its next try (which of the
+    two depended on timing; the old code failed one assertion or the other)."""
+    binary = fake_binary(tmp_path, "silent", real=str(ensure_llama_server()))
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
+                                                  "stop_grace_s": 2, "liveness_timeout_s": 6},
+                      timeouts={"first_byte_s": 1.5}, scheduler={"prefix_affinity": False})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    fake = wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")
+
+    def worker(worker_id: str) -> dict:
+        return next(w for w in gw.workers() if w["id"] == worker_id)
+
+    def post(rid: str):
+        return httpx.post(gw.url + "/api/generate", headers={"X-Request-ID": rid}, timeout=60,
+                          json={"model": "demo", "prompt": rid, "raw": True, "stream": False,
+                                "options": {"num_predict": 4}})
+
+    def log_lines(event: str, rid: str) -> list[dict]:
+        return [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
+                if f'"{event}"' in ln and f'"{rid}"' in ln]
+
+    stop_long = False
+
+    def long_stream() -> int:  # keeps the real worker's one slot busy until told to stop
+        n = 0
+        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "long", "raw": True,
+                "options": {"num_predict": 60000}}) as r:
+            for _ in r.iter_lines():
+                n += 1
+                if stop_long:
+                    break
+        return n
+
+    with cf.ThreadPoolExecutor(3) as ex:
+        a = ex.submit(post, "stalls-on-fake")
+        wait_for(lambda: worker(fake["id"])["busy"] == 1, 10, "A on the FAKE")
+        long = ex.submit(long_stream)
+        wait_for(lambda: all(w["busy"] == 1 for w in gw.workers()), 10,
+                 "the long stream on the real worker")
+        wait_for(lambda: log_lines("upstream.retry", "stalls-on-fake"), 10, "A stalled and retried")
+        assert worker(fake["id"])["stall_check"] is True  # checked at once: A held its last slot
+        b = ex.submit(post, "sent-during-the-check")
+        time.sleep(3)  # past B's first_byte_s, had it gone to the FAKE; the check still runs
+        stop_long = True
+        assert long.result(timeout=30) > 0
+        ra, rb = a.result(timeout=60), b.result(timeout=60)
+    assert (ra.status_code, rb.status_code) == (200, 200), (ra.text, rb.text)
+    assert log_lines("upstream.retry", "sent-during-the-check") == []  # B never stalled
+    # nor did A's retry: it waited for a worker not under check, not back on the FAKE
+    assert len(log_lines("upstream.retry", "stalls-on-fake")) == 1
+    w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == fake["id"]
+                               and x["state"] == "ready" and x["pid"] != fake["pid"]), None),
+                 60, "the FAKE restarted after failing its check")
+    assert not is_fake(w["pid"]) and w["stall_check"] is False

@@ -126,6 +126,32 @@ def test_a_retry_avoids_the_worker_it_failed_on_unless_nothing_else_is_free():
     assert d.submit(t(3, avoid=frozenset({failed_on}))) is None  # nothing free: it waits
 
 
+def test_a_worker_under_stall_check_gets_work_only_when_no_other_is_in_rotation():
+    """While a worker's stall check runs, new requests go to the model's other workers, or
+    wait for one of them; the check's end (passed) hands the queue out again. A model whose
+    only worker is under check still sends work to it (it fails fast if silent)."""
+    d, _ = mk(n_workers=2, slots=2)
+    assert d.set_checking("w0", True) == []
+    a, b = d.submit(t(1)), d.submit(t(2))
+    assert [a.worker.id, b.worker.id] == ["w1", "w1"]  # w0 has 2 free slots, but is checked
+    queued = t(3)
+    assert d.submit(queued) is None  # waits for w1 (or the check's end), not w0's free slots
+    (got, lease), = d.set_checking("w0", False)  # passed: back in rotation, queue pumped
+    assert got is queued and lease.worker.id == "w0"
+    assert d.set_checking("w0", False) == [] and d.set_checking("nope", True) == []
+    d.set_checking("w0", True)
+    a.release()  # a slot of the steady worker frees: the queue goes there, not to w0
+    c = d.submit(t(4))
+    assert c.worker.id == "w1"
+    # the steady worker leaves rotation: the worker under check is the model's last resort
+    d.set_draining("w1", True)
+    assert d.submit(t(5)).worker.id == "w0"
+    # a model with one worker, under check: it still gets the work
+    solo, _ = mk(n_workers=1, slots=1)
+    solo.set_checking("w0", True)
+    assert solo.submit(t(6)).worker.id == "w0"
+
+
 def test_queue_wait_adds_up_the_attempts_of_a_retried_ticket():
     """A retry submits the same ticket again: ``queue_wait_s`` is the wait of every attempt
     that got a slot, plus the time so far while it waits again, never its time on a worker."""

@@ -18,14 +18,21 @@ from gateway.scheduling.scorer import POLICIES
 ticket_slots = st.sampled_from([1, 1, 1, 2, 3, 4])
 ops = st.lists(st.tuples(st.sampled_from(["submit", "release", "cancel", "tick", "load",
                                           "down", "up", "fail", "unfail", "hold", "unhold",
-                                          "first", "again", "ctx"]),
+                                          "first", "again", "ctx", "check", "uncheck"]),
                          st.integers(0, 1000), st.integers(0, 3), ticket_slots), max_size=120)
 # Fleet trouble often: every worker failed or held while tickets wait (refusals happen).
 trouble_ops = st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "release", "tick",
                                                   "down", "up", "fail", "fail", "unfail",
-                                                  "hold", "unhold", "first", "again"]),
+                                                  "hold", "unhold", "first", "again",
+                                                  "check", "uncheck"]),
                                  st.integers(0, 1000), st.integers(0, 1), ticket_slots),
                        max_size=120)
+
+# Stall checks often: workers under check beside steady ones while tickets come and go.
+check_ops = st.lists(st.tuples(st.sampled_from(["submit", "submit", "release", "check", "check",
+                                                "uncheck", "tick", "down", "up", "hold"]),
+                               st.integers(0, 1000), st.integers(0, 2), ticket_slots),
+                     max_size=80)
 
 
 WAIT_MAX_S = 1.5
@@ -59,6 +66,16 @@ def test_invariants_with_failed_and_drained_fleets(ops, policy, slots, max_pendi
                                      "too_many"}
 
 
+@settings(max_examples=150, deadline=None)
+@given(ops=check_ops, policy=st.sampled_from(POLICIES),
+       slots=st.lists(st.integers(1, 3), min_size=2, max_size=3), wait=waits)
+def test_invariants_with_stall_checks(ops, policy, slots, wait):
+    """Workers under stall check (``Dispatcher.set_checking``): no ticket is leased to one
+    while a worker of the model that is not under check is in rotation with the slots for it
+    (``run_invariants`` checks each lease), and every ticket still ends."""
+    run_invariants(ops, policy, slots, 6, False, wait)
+
+
 def run_invariants(ops, policy, slots, max_pending, unified, wait=0.0) -> dict:
     """Apply ``ops`` to a dispatcher of ``slots`` workers, checking the invariants after every
     step; then end every ticket. ``wait``: the affinity wait in ms per 1,000 tokens held.
@@ -74,9 +91,17 @@ def run_invariants(ops, policy, slots, max_pending, unified, wait=0.0) -> dict:
     gone = []  # released leases: released again, or given a first token, they count nothing
     seen_dispatch = set()
 
+    def steady_passed_over(lease) -> bool:
+        """A lease on a worker under stall check while a worker of the model not under check
+        was in rotation with the slots for it (it should have waited for that one)."""
+        return lease.worker.checking and any(
+            w.in_rotation and not w.checking and w.slots >= lease.slots
+            for w in d.workers.values())
+
     def took(dispatches):
         for tk, lease in dispatches:
             assert tk in queued, "dispatched a ticket that was not queued"
+            assert not steady_passed_over(lease), "leased a worker under stall check"
             assert tk.seq not in seen_dispatch, "dispatched twice"
             assert not lease.worker.failed and not lease.worker.held, "leased a failed/held worker"
             assert lease.slots == tk.slots
@@ -110,6 +135,7 @@ def run_invariants(ops, policy, slots, max_pending, unified, wait=0.0) -> dict:
                     queued.add(tk)
                 else:
                     assert not lease.worker.failed and not lease.worker.held
+                    assert not steady_passed_over(lease), "leased a worker under stall check"
                     assert lease.slots == k
                     seen_dispatch.add(tk.seq)
                     outcome[tk.seq] = "dispatched"
@@ -142,6 +168,8 @@ def run_invariants(ops, policy, slots, max_pending, unified, wait=0.0) -> dict:
             w = f"w{b % len(slots)}"
             took(d.update_load(w, WorkerLoad(at=clock.t, processing=a % 5, kv_tokens=a % 500,
                                              deferred=a % 2)))
+        elif op in ("check", "uncheck"):  # a stall check of the worker starts or passes
+            took(d.set_checking(f"w{b % len(slots)}", op == "check"))
         elif op in ("down", "up"):
             took(d.set_ready(f"w{b % len(slots)}", op == "up"))
         elif op in ("fail", "unfail", "hold", "unhold"):
