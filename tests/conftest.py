@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +52,22 @@ def llama_server_pids() -> set[int]:
                 continue
             if exe.endswith("llama-server"):
                 out.add(int(d.name))
+    return out
+
+
+def orphaned(pids: set[int]) -> set[int]:
+    """Those of ``pids`` (llama-server processes) whose parent is not a running gateway
+    (``gateway serve``): what a gateway left behind. Workers of gateways that other tests run
+    at the same time keep their gateway as parent and are not counted."""
+    out = set()
+    for pid in pids:
+        try:
+            parent = psutil.Process(pid).parent()
+            cmd = " ".join(parent.cmdline()) if parent is not None else ""
+        except psutil.Error:
+            continue  # gone meanwhile
+        if "gateway serve" not in cmd:
+            out.add(pid)
     return out
 
 
