@@ -338,12 +338,16 @@ def _reload(gw, token: str = "t") -> httpx.Response:
                       headers={"Authorization": f"Bearer {token}"}, timeout=120)
 
 
-def test_reload_applies_supervision_settings_to_existing_workers(gateway_factory):
-    """A worker whose 0.05 s startup timeout makes it crash-loop into ``failed`` is unchanged by
+def test_reload_applies_supervision_settings_to_existing_workers(tmp_path, gateway_factory):
+    """A worker whose 0.5 s startup timeout makes it crash-loop into ``failed`` is unchanged by
     a reload that only raises ``llama_server.startup_timeout_s`` (no restart), yet its next
-    start (after ``failed_retry_s``) uses the new timeout and becomes ready."""
+    start (after ``failed_retry_s``) uses the new timeout and becomes ready. The binary is a
+    slow-loading wrapper (every start sleeps 1 s, then execs the real llama-server): with the
+    real one alone, a 0.05 s timeout was once enough for the demo model (a suite run here)."""
+    wrapper, _ = slow_start_binary(tmp_path, str(ensure_llama_server()), 1)
     cfg = base_config(free_port(), admin={"token": "t"},
-                      llama_server={"startup_timeout_s": 0.05, "failed_retry_s": 6,
+                      llama_server={"binary": str(wrapper), "threads": 1,
+                                    "startup_timeout_s": 0.5, "failed_retry_s": 6,
                                     "crash_loop_restarts": 3, "restart_backoff_initial_s": 0.1,
                                     "restart_backoff_max_s": 0.2},
                       models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
@@ -357,7 +361,7 @@ def test_reload_applies_supervision_settings_to_existing_workers(gateway_factory
             break
         time.sleep(0.05)
     assert w is not None and w["state"] == "failed", w
-    assert "startup timeout after 0.05 s" in w["detail"], w
+    assert "startup timeout after 0.5 s" in w["detail"], w
     cfg["llama_server"]["startup_timeout_s"] = 180
     gw.cfg_path.write_text(yaml.safe_dump(cfg))
     r = _reload(gw)
