@@ -102,6 +102,7 @@ class Fleet:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._restarting: dict[str, asyncio.Task] = {}  # worker id → its restart in progress
+        self.held: set[str] = set()  # workers the operator drained (admin drain), restarts too
         self.apply_scheduler(config.scheduler)
 
     def add_models(self, models: tuple[dict[str, Path], list["ModelEntry"]]) -> None:
@@ -195,6 +196,31 @@ class Fleet:
         self.admission.worker_draining(worker_id, draining, held)
         log.info("worker.draining" if draining else "worker.undrained", worker=worker_id)
 
+    def operator_drain(self, worker_id: str) -> None:
+        """The operator's drain (admin API): out of rotation until ``operator_undrain``, also
+        across restarts of the worker (an admin restart, a reload's, a leaked slot's): a
+        restart brings it back drained. Raises KeyError for an unknown worker."""
+        self.set_draining(worker_id, True, held=True)
+        self.held.add(worker_id)
+
+    def operator_undrain(self, worker_id: str) -> bool:
+        """End the operator's drain. Back into rotation now, unless a restart of the worker
+        is running: its drain (or its new process, still loading) is left alone and the
+        worker returns to rotation once that restart has it ready. Returns whether it went
+        back now. Raises KeyError for an unknown worker."""
+        if worker_id not in self.supervisors:
+            raise KeyError(worker_id)
+        self.held.discard(worker_id)
+        if worker_id in self._restarting:
+            log.info("worker.undrain_after_restart", worker=worker_id)
+            return False
+        self.set_draining(worker_id, False)
+        return True
+
+    def restarting(self, worker_id: str) -> bool:
+        """Whether a restart of the worker is running (``restart_worker``)."""
+        return worker_id in self._restarting
+
     async def drain(self, worker_id: str, timeout_s: float) -> int:
         """Stop new leases to ``worker_id`` and wait up to ``timeout_s`` seconds until its
         running requests finished. Returns how many were still running at the deadline."""
@@ -279,10 +305,18 @@ class Fleet:
         await self.remove_worker(worker_id, drain_s)
         sup = self.add_worker(plan)
         sup.restarts = old.restarts + 1
-        sup.slot_leaks = old.slot_leaks
+        # the worker's record goes on: why it failed stays visible after an operator acts on it
+        for count in ("slot_leaks", "crashes", "wedges", "crash_loops"):
+            setattr(sup, count, getattr(old, count))
         self.supervisors = {k: self.supervisors[k] for k in order if k in self.supervisors} | \
             self.supervisors  # keep the fleet's order for listings
         await sup.wait_ready(ready_timeout_s)
+        if self.supervisors.get(worker_id) is not sup:  # a reload removed it meanwhile
+            return sup
+        if worker_id in self.held:  # the operator's drain outlives the restart
+            self.set_draining(worker_id, True, held=True)
+        elif self.draining(worker_id):  # drained while it loaded, undrained since
+            self.set_draining(worker_id, False)
         return sup
 
     def _on_ready(self, sup: WorkerSupervisor) -> None:

@@ -166,6 +166,7 @@ class Reloader:
         gw.admission.refuse_queued()  # its queued requests now, not after the drain and stop
         for plan in diff.removed:
             await fleet.remove_worker(plan.id, drain_s)
+            fleet.held.discard(plan.id)  # an operator's drain ends with the worker
         log.info("config.reloaded", path=self.path, added=res.added, changed=res.changed,
                  removed=res.removed, unchanged=len(res.unchanged))
         return res

@@ -44,7 +44,7 @@ def workers_failed(model: str, retry_in_s: int | None, drained: int = 0) -> str:
     when = (f"the gateway tries to start them again in {retry_in_s} s"
             if retry_in_s is not None else "no automatic restart is scheduled")
     return (f"model '{model}' is unavailable: every worker of it failed{also} (crash loop: it "
-            f"keeps exiting or cannot start, see the gateway log); {when}, or an operator can "
+            f"keeps exiting, wedging or failing to start; see the gateway log); {when}, or an operator can "
             f"restart one now (llama-gateway worker restart ID)")
 
 

@@ -204,8 +204,10 @@ class WorkerSupervisor:
                     await exit_task
                     if self._stopping:
                         break
-                self.restarts += 1
                 self.crashes += 1
+                if self._stopping:  # stopped meanwhile (an admin restart): no restart follows
+                    break
+                self.restarts += 1
                 if self._crash_loop():
                     self.crash_loops += 1
                     n = len(self._restart_times)

@@ -5,7 +5,7 @@ plain key gets 403; ``/metrics`` stays open with ``auth.metrics_public``):
 
 * ``GET /gateway/api/workers`` → ``{"workers": [{id, model, state, detail, draining, pid, port,
   gpus, slots, busy, prefill_backlog_tokens, restarts, crashes, wedges, crash_loops, slot_leaks,
-  n_ctx_slot,
+  stall_check, n_ctx_slot,
   kv_fill, deferred, tokens_per_s, speed, sequence_tokens_per_s, gpu}],
   "queue": {"depth" (requests waiting, as ``max_pending`` counts them), "waiting_inputs"
   (tickets waiting: each input of an embedding request counted), "max_pending",
@@ -17,7 +17,9 @@ plain key gets 403; ``/metrics`` stays open with ``auth.metrics_public``):
   speed the scheduler uses (1.0 = its model's reference worker, or unmeasured) and
   ``sequence_tokens_per_s`` the measured per-sequence decode rate it comes from (null while
   unmeasured; ``gateway.speed``); ``slot_leaks`` counts the worker's restarts for a leaked
-  slot (``llama_server.leaked_slot_s``; each is also one of its ``restarts``); ``gpu`` is the
+  slot (``llama_server.leaked_slot_s``; each is also one of its ``restarts``); ``stall_check``
+  is true while the supervisor checks the worker after stalls (``Dispatcher.set_checking``);
+  ``gpu`` is the
   first GPU's sample or null. Worker keys are never shown.
 * ``GET /metrics``: Prometheus text (gateway/metrics.py).
 
@@ -28,10 +30,14 @@ API key without ``admin: true``: 403 (guard middleware). Errors are ``{"error": 
 application/json.
 
 * ``POST /gateway/api/admin/workers/{id}/drain``: out of rotation; running requests finish.
-* ``POST /gateway/api/admin/workers/{id}/undrain``: back into rotation.
+  The drain lasts until an undrain, restarts of the worker included.
+* ``POST /gateway/api/admin/workers/{id}/undrain``: back into rotation: ``{"worker",
+  "draining", "restarting"}``; while a restart of the worker runs, ``draining`` and
+  ``restarting`` are true and it returns once the restart has it ready.
 * ``POST /gateway/api/admin/workers/{id}/restart``: drain (up to ``shutdown.drain_s``), stop
   (SIGTERM, ``stop_grace_s``, SIGKILL, reaped), start again; answers once it is ready again or
-  its startup timeout passed: ``{"worker", "state", "pid", "detail"}``.
+  its startup timeout passed: ``{"worker", "state", "pid", "detail", "draining"}`` (an
+  operator's drain outlives the restart); 404 when a reload removed the worker meanwhile.
 * ``POST /gateway/api/admin/reload``: reload the config file (gateway/reload.py);
   200 with what changed, or 400 ``{"error", "errors": [...]}`` when the file is invalid.
 """
@@ -137,24 +143,29 @@ def _worker(request: web.Request):
 async def drain(request: web.Request) -> web.Response:
     _check_token(request)
     gw, sup = _worker(request)
-    gw.fleet.set_draining(sup.id, True, held=True)
+    gw.fleet.operator_drain(sup.id)
     return _json({"worker": sup.id, "draining": True, "busy": gw.dispatcher.workers[sup.id].busy})
 
 
 async def undrain(request: web.Request) -> web.Response:
     _check_token(request)
     gw, sup = _worker(request)
-    gw.fleet.set_draining(sup.id, False)
-    return _json({"worker": sup.id, "draining": False})
+    now = gw.fleet.operator_undrain(sup.id)
+    # during a restart, it returns to rotation once the restart has it ready
+    return _json({"worker": sup.id, "draining": not now, "restarting": not now})
 
 
 async def restart(request: web.Request) -> web.Response:
     _check_token(request)
     gw, sup = _worker(request)
     log.info("admin.restart", worker=sup.id)
-    new = await gw.fleet.restart_worker(sup.id, gw.config.shutdown.drain_s)  # returns once ready
-    return _json({"worker": new.id, "state": new.state, "detail": new.detail,
-                  "pid": new.process.pid if new.process else None})
+    await gw.fleet.restart_worker(sup.id, gw.config.shutdown.drain_s)  # returns once ready
+    cur = gw.fleet.supervisors.get(sup.id)  # a reload may have removed or replaced it meanwhile
+    if cur is None:
+        raise ApiError(404, f"worker '{sup.id}' was removed by a config reload during its restart")
+    return _json({"worker": cur.id, "state": worker_state(gw, cur), "detail": cur.detail,
+                  "pid": cur.process.pid if cur.process else None,
+                  "draining": gw.fleet.draining(cur.id)})
 
 
 async def reload(request: web.Request) -> web.Response:

@@ -558,3 +558,88 @@ def test_admin_restart_and_reload_finish_when_their_client_leaves(gateway_factor
         time.sleep(0.2)
     w = gw.wait_ready(60)[0]
     assert w["slots"] == 3 and not w["draining"]
+
+
+def test_operator_drain_and_undrain_around_a_restart(gateway_factory):
+    """A fresh tester's finds. (1) An undrain sent while a restart drains the worker put it
+    back into rotation mid-restart: requests kept landing on it, the drain never emptied and
+    a stream was cut when the process was stopped. Now the undrain answers ``restarting`` and
+    the worker returns once the restart has it ready. (2) An operator's drain outlives a
+    restart (before, a restart cleared it, and one sent during the restart survived: it
+    depended on timing). (3) A restart keeps the worker's ``crashes`` / ``wedges`` /
+    ``crash_loops`` (before, they went back to 0 when an operator restarted a failed worker)."""
+    cfg = base_config(free_port(), admin={"token": "t"}, shutdown={"drain_s": 6},
+                      llama_server={"threads": 1, "restart_backoff_initial_s": 0.1},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 2,
+                               "context": 131072, "cpu": 1}])  # room for a long stream
+    gw = gateway_factory(cfg)
+    admin = {"Authorization": "Bearer t"}
+    base = gw.url + "/gateway/api/admin/workers/demo-cpu0/"
+
+    def me() -> dict:
+        return gw.workers()[0]
+
+    # (3) a crash first, so there is a record to keep
+    first = me()
+    os.kill(first["pid"], signal.SIGKILL)
+    end = time.monotonic() + 30
+    while not (me()["state"] == "ready" and me()["pid"] != first["pid"]):
+        assert time.monotonic() < end, me()
+        time.sleep(0.1)
+    assert me()["crashes"] == 1
+
+    stop_long = threading.Event()
+
+    def long_stream() -> None:  # keeps the restart's drain waiting (up to drain_s)
+        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "x", "raw": True,
+                "options": {"num_predict": 60000}}) as r:
+            for _ in r.iter_lines():
+                if stop_long.is_set():
+                    break
+
+    def short(rid: str) -> httpx.Response:
+        return httpx.post(gw.url + "/api/generate", headers={"X-Request-ID": rid}, timeout=60,
+                          json={"model": "demo", "prompt": "y", "raw": True, "stream": False,
+                                "options": {"num_predict": 2}})
+
+    with cf.ThreadPoolExecutor(3) as ex:
+        ex.submit(long_stream)
+        end = time.monotonic() + 20
+        while me()["busy"] != 1:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        old_pid = me()["pid"]
+        restart = ex.submit(httpx.post, base + "restart", headers=admin, timeout=60)
+        while not me()["draining"]:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        # (1) undrain during the restart's drain: refused into rotation until the restart ends
+        r = httpx.post(base + "undrain", headers=admin, timeout=10)
+        assert r.status_code == 200 and r.json() == {"worker": "demo-cpu0", "draining": True,
+                                                     "restarting": True}, r.text
+        waiting = ex.submit(short, "sent-during-the-restart")
+        time.sleep(1.0)
+        w = me()
+        assert w["draining"] and w["busy"] == 1 and w["pid"] == old_pid, w  # nothing new on it
+        stop_long.set()
+        answer = restart.result(timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert waiting.result(timeout=60).status_code == 200
+    body = answer.json()
+    assert body["state"] == "ready" and body["draining"] is False and body["pid"] != old_pid
+    w = me()
+    assert not w["draining"] and w["crashes"] == 1 and w["restarts"] == 2, w
+    # (2) the operator's drain outlives a restart
+    assert httpx.post(base + "drain", headers=admin, timeout=10).status_code == 200
+    answer = httpx.post(base + "restart", headers=admin, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["state"] == "draining" and answer.json()["draining"] is True
+    w = me()
+    assert w["state"] == "draining" and w["crashes"] == 1 and w["restarts"] == 3, w
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "z", "raw": True,
+                   "stream": False}, timeout=10)
+    assert r.status_code == 503 and "drained" in r.json()["error"], r.text  # operator-held
+    r = httpx.post(base + "undrain", headers=admin, timeout=10)
+    assert r.json() == {"worker": "demo-cpu0", "draining": False, "restarting": False}
+    assert short("after-undrain").status_code == 200
