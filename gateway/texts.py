@@ -77,6 +77,13 @@ def side_call_failed(model: str, path: str, why: str) -> str:
             f"worker in rotation, please retry")
 
 
+def side_call_unsupported(model: str, path: str, status: int) -> str:
+    """A worker of ``model`` answered the side call ``path`` with ``status`` 404, 405 or 501:
+    its llama-server does not serve that endpoint (an older or different build)."""
+    return (f"the workers of model '{model}' do not serve {path} (HTTP {status} from "
+            f"llama-server); the gateway needs a llama-server build with it")
+
+
 def no_ready_worker(model: str) -> str:
     """No worker of ``model`` came into rotation while a side call waited for one."""
     return f"no ready worker for model '{model}'; please try again"

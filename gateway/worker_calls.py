@@ -31,7 +31,7 @@ import orjson
 from gateway.logs import get_logger
 from gateway.scheduling.side_calls import SideCallRouter
 from gateway.scheduling.worker_view import WorkerView
-from gateway.texts import no_ready_worker, side_call_failed
+from gateway.texts import no_ready_worker, side_call_failed, side_call_unsupported
 from gateway.upstream import Endpoint, UpstreamError, current_request, parse_error_body
 
 log = get_logger("gateway.worker_calls")
@@ -67,7 +67,8 @@ def refuse_early(gw, model: str) -> None:
         raise why
 
 
-async def _send(gw, ep: Endpoint, path: str, body: dict | None, timeout_s: float) -> dict:
+async def _send(gw, ep: Endpoint, path: str, body: dict | None, timeout_s: float,
+                model: str) -> dict:
     """One try; the JSON reply. Raises UpstreamError for a worker's error answer (not 503),
     ``_Retry`` for a transport fault, a timeout or a 503."""
     headers = {"Authorization": f"Bearer {ep.api_key}", "Content-Type": "application/json"}
@@ -88,6 +89,11 @@ async def _send(gw, ep: Endpoint, path: str, body: dict | None, timeout_s: float
     if resp.status == 503:
         err = parse_error_body(503, data)
         raise _Retry(503, "worker unavailable", err.message)
+    if resp.status in (404, 405, 501):  # no such endpoint in this build: not the client's
+        # fault, and a 404 would read as "model not found" to Ollama clients
+        log.error("worker_call.unsupported", model=model, path=path, url=ep.url, status=resp.status,
+                  body=data[:200].decode("utf-8", "replace"))
+        raise UpstreamError(502, side_call_unsupported(model, path, resp.status), "side_call")
     if resp.status >= 400:
         raise parse_error_body(resp.status, data)
     try:
@@ -148,7 +154,7 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
             raise _failed(model, path, last)  # every one tried, and time is up
         limit = per_try if hard is None else max(0.001, min(per_try, hard - time.monotonic()))
         try:
-            reply = await _send(gw, ep, path, body, limit)
+            reply = await _send(gw, ep, path, body, limit, model)
         except _Retry as e:
             router.failed(wid, time.monotonic())
             tried[wid] = tried.get(wid, 0) + 1
