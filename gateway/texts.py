@@ -44,8 +44,8 @@ def workers_failed(model: str, retry_in_s: int | None, drained: int = 0) -> str:
     when = (f"the gateway tries to start them again in {retry_in_s} s"
             if retry_in_s is not None else "no automatic restart is scheduled")
     return (f"model '{model}' is unavailable: every worker of it failed{also} (crash loop: it "
-            f"keeps exiting, wedging or failing to start; see the gateway log); {when}, or an operator can "
-            f"restart one now (llama-gateway worker restart ID)")
+            f"keeps exiting, wedging or failing to start; see the gateway log); {when}, or an "
+            f"operator can restart one now (llama-gateway worker restart ID)")
 
 
 # The middleware's answer to a request that arrives after shutdown began (gateway/middleware.py).
@@ -78,8 +78,8 @@ def side_call_failed(model: str, path: str, why: str) -> str:
 
 
 def side_call_unsupported(model: str, path: str, status: int) -> str:
-    """A worker of ``model`` answered the side call ``path`` with ``status`` 404, 405 or 501:
-    its llama-server does not serve that endpoint (an older or different build)."""
+    """A worker of ``model`` answered the side call ``path`` with ``status`` 404 or 405: its
+    llama-server does not serve that endpoint (an older or different build)."""
     return (f"the workers of model '{model}' do not serve {path} (HTTP {status} from "
             f"llama-server); the gateway needs a llama-server build with it")
 

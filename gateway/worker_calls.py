@@ -89,10 +89,11 @@ async def _send(gw, ep: Endpoint, path: str, body: dict | None, timeout_s: float
     if resp.status == 503:
         err = parse_error_body(503, data)
         raise _Retry(503, "worker unavailable", err.message)
-    if resp.status in (404, 405, 501):  # no such endpoint in this build: not the client's
-        # fault, and a 404 would read as "model not found" to Ollama clients
-        log.error("worker_call.unsupported", model=model, path=path, url=ep.url, status=resp.status,
-                  body=data[:200].decode("utf-8", "replace"))
+    if resp.status in (404, 405):  # no such route in this build: not the client's fault, and
+        # a 404 would read as "model not found" to Ollama clients (501, llama-server's "not
+        # supported" for a request it cannot do, passes on with its own message)
+        log.error("worker_call.unsupported", model=model, path=path, url=ep.url,
+                  status=resp.status, body=data[:200].decode("utf-8", "replace"))
         raise UpstreamError(502, side_call_unsupported(model, path, resp.status), "side_call")
     if resp.status >= 400:
         raise parse_error_body(resp.status, data)
