@@ -159,8 +159,12 @@ async def restart(request: web.Request) -> web.Response:
     _check_token(request)
     gw, sup = _worker(request)
     log.info("admin.restart", worker=sup.id)
-    await gw.fleet.restart_worker(sup.id, gw.config.shutdown.drain_s)  # returns once ready
-    cur = gw.fleet.supervisors.get(sup.id)  # a reload may have removed or replaced it meanwhile
+    try:
+        await gw.fleet.restart_worker(sup.id, gw.config.shutdown.drain_s)  # returns once ready
+    except KeyError:  # a reload removed it before this restart got to it
+        cur = None
+    else:
+        cur = gw.fleet.supervisors.get(sup.id)  # a reload may have removed or replaced it
     if cur is None:
         raise ApiError(404, f"worker '{sup.id}' was removed by a config reload during its restart")
     return _json({"worker": cur.id, "state": worker_state(gw, cur), "detail": cur.detail,
