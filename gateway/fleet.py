@@ -213,6 +213,8 @@ class Fleet:
         self.held.discard(worker_id)
         if worker_id in self._restarting:
             log.info("worker.undrain_after_restart", worker=worker_id)
+            if self.draining(worker_id):  # now the restart's own drain: requests wait for it
+                self.set_draining(worker_id, True)
             return False
         self.set_draining(worker_id, False)
         return True
@@ -223,8 +225,9 @@ class Fleet:
 
     async def drain(self, worker_id: str, timeout_s: float) -> int:
         """Stop new leases to ``worker_id`` and wait up to ``timeout_s`` seconds until its
-        running requests finished. Returns how many were still running at the deadline."""
-        self.set_draining(worker_id, True)
+        running requests finished. Returns how many were still running at the deadline. An
+        operator's drain (``held``) stays one, so its model's requests are still refused."""
+        self.set_draining(worker_id, True, held=worker_id in self.held)
         view = self.admission.dispatcher.workers[worker_id]
         end = time.monotonic() + timeout_s
         while view.busy and time.monotonic() < end:
@@ -304,6 +307,8 @@ class Fleet:
         old = self.supervisors[worker_id]
         await self.remove_worker(worker_id, drain_s)
         sup = self.add_worker(plan)
+        if worker_id in self.held:  # drained by the operator: not in rotation once ready
+            self.set_draining(worker_id, True, held=True)
         sup.restarts = old.restarts + 1
         # the worker's record goes on: why it failed stays visible after an operator acts on it
         for count in ("slot_leaks", "crashes", "wedges", "crash_loops"):

@@ -567,7 +567,10 @@ def test_operator_drain_and_undrain_around_a_restart(gateway_factory):
     the worker returns once the restart has it ready. (2) An operator's drain outlives a
     restart (before, a restart cleared it, and one sent during the restart survived: it
     depended on timing). (3) A restart keeps the worker's ``crashes`` / ``wedges`` /
-    ``crash_loops`` (before, they went back to 0 when an operator restarted a failed worker)."""
+    ``crash_loops`` (before, they went back to 0 when an operator restarted a failed worker).
+    A second tester's finds: a drained worker's restart put the new process in rotation while
+    it loaded and for a moment once ready (queued requests ran on it), and after an undrain
+    during a restart the model's requests still got 503 "drained" until the restart ended."""
     cfg = base_config(free_port(), admin={"token": "t"}, shutdown={"drain_s": 6},
                       llama_server={"threads": 1, "restart_backoff_initial_s": 0.1},
                       models=[{"name": "demo", "path": "builtin:demo", "slots": 2,
@@ -614,7 +617,9 @@ def test_operator_drain_and_undrain_around_a_restart(gateway_factory):
         while not me()["draining"]:
             assert time.monotonic() < end
             time.sleep(0.05)
-        # (1) undrain during the restart's drain: refused into rotation until the restart ends
+        # (1) drain and undrain during the restart's drain: not back into rotation until the
+        # restart ends, and requests meanwhile wait for it (no 503 "drained")
+        assert httpx.post(base + "drain", headers=admin, timeout=10).status_code == 200
         r = httpx.post(base + "undrain", headers=admin, timeout=10)
         assert r.status_code == 200 and r.json() == {"worker": "demo-cpu0", "draining": True,
                                                      "restarting": True}, r.text
@@ -630,10 +635,18 @@ def test_operator_drain_and_undrain_around_a_restart(gateway_factory):
     assert body["state"] == "ready" and body["draining"] is False and body["pid"] != old_pid
     w = me()
     assert not w["draining"] and w["crashes"] == 1 and w["restarts"] == 2, w
-    # (2) the operator's drain outlives a restart
+    # (2) the operator's drain outlives a restart, also while the new process loads and the
+    # moment it is ready: every request meanwhile gets the 503 of a drained model at once
     assert httpx.post(base + "drain", headers=admin, timeout=10).status_code == 200
-    answer = httpx.post(base + "restart", headers=admin, timeout=60)
+    with cf.ThreadPoolExecutor(1) as ex:
+        restarting = ex.submit(httpx.post, base + "restart", headers=admin, timeout=60)
+        during = []
+        while not restarting.done():
+            during.append(short(f"during-{len(during)}").status_code)
+            time.sleep(0.02)
+        answer = restarting.result()
     assert answer.status_code == 200, answer.text
+    assert during and set(during) == {503}, during
     assert answer.json()["state"] == "draining" and answer.json()["draining"] is True
     w = me()
     assert w["state"] == "draining" and w["crashes"] == 1 and w["restarts"] == 3, w
