@@ -237,8 +237,10 @@ class Fleet:
                         drain_s=timeout_s)
         return view.busy
 
-    async def remove_worker(self, worker_id: str, drain_s: float) -> None:
-        """Drain, stop (SIGTERM, grace, SIGKILL; reaped) and forget a worker."""
+    async def remove_worker(self, worker_id: str, drain_s: float,
+                            event: str = "worker.removed") -> None:
+        """Drain, stop (SIGTERM, grace, SIGKILL; reaped) and forget a worker; logs ``event``
+        (a restart's stop logs ``worker.restart_stopped``, not a removal)."""
         await self.drain(worker_id, drain_s)
         sup = self.supervisors[worker_id]
         poller = self.pollers.pop(worker_id, None)
@@ -251,15 +253,16 @@ class Fleet:
         self.slot_watches.pop(worker_id, None)
         self.admission.dispatcher.remove_worker(worker_id)
         self._apply_speeds(self.speeds.forget(worker_id))
-        log.info("worker.removed", worker=worker_id)
+        log.info(event, worker=worker_id)
 
-    def add_worker(self, plan: WorkerPlan) -> WorkerSupervisor:
-        """Register and start a worker for ``plan`` (not in rotation until ready)."""
+    def add_worker(self, plan: WorkerPlan, event: str = "worker.added") -> WorkerSupervisor:
+        """Register and start a worker for ``plan`` (not in rotation until ready); logs
+        ``event`` (a restart's start logs ``worker.restart_started``)."""
         sup = self._add(plan, self._threads(list(self.plans.values()) + [plan]))
         sup.start()
         if self._session is not None:
             self.pollers[plan.id].start(self._session)
-        log.info("worker.added", worker=plan.id, slots=plan.slots, gpus=list(plan.gpus))
+        log.info(event, worker=plan.id, slots=plan.slots, gpus=list(plan.gpus))
         return sup
 
     async def restart_worker(self, worker_id: str, drain_s: float,
@@ -305,8 +308,8 @@ class Fleet:
         plan = plan or self.plans[worker_id]
         order = list(self.supervisors)
         old = self.supervisors[worker_id]
-        await self.remove_worker(worker_id, drain_s)
-        sup = self.add_worker(plan)
+        await self.remove_worker(worker_id, drain_s, "worker.restart_stopped")
+        sup = self.add_worker(plan, "worker.restart_started")
         if worker_id in self.held:  # drained by the operator: not in rotation once ready
             self.set_draining(worker_id, True, held=True)
         sup.restarts = old.restarts + 1
