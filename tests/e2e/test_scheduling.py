@@ -358,6 +358,49 @@ def test_kv_headroom_routing_unified_cache(gateway_factory):
     assert 1 <= peak[0] <= 2
 
 
+def test_case3_a_worker_that_still_runs_out_of_kv_gives_a_clear_error_and_frees_accounting(
+        gateway_factory):
+    """Field case 3, its second half: when a worker still runs out of KV (here the
+    ``round_robin`` baseline, which does not route by KV headroom, sends the four requests of
+    the test above to the worker at once), every client gets llama-server's clear error
+    (non-streamed: its status and ``{"error"}``; streamed: an error line ends the stream, never a
+    silent cut), and the gateway's accounting is released: no slot counted busy, nothing
+    queued, the worker's slots idle, and the next request is served."""
+    cfg = base_config(free_port(), scheduler={"policy": "round_robin"})
+    cfg["models"][0].update(slots=4, context=256, cpu=1, args=["--kv-unified"])
+    gw = gateway_factory(cfg)
+    w = gw.workers()[0]
+    exceeded = "Context size has been exceeded."
+    for stream in (False, True):  # any two of them at once overflow the 1,024 cells
+        body = {"model": "demo", "prompt": "hi", "raw": True, "stream": stream,
+                "options": {"num_predict": 600}}
+        with cf.ThreadPoolExecutor(4) as ex:
+            rs = list(ex.map(lambda _: httpx.post(gw.url + "/api/generate", json=body,
+                                                  timeout=120), range(4)))
+        ends = []
+        for r in rs:
+            if stream:
+                assert r.status_code == 200, r.text[:200]
+                last = json.loads(r.text.strip().splitlines()[-1])
+                ends.append("ok" if last.get("done") is True else last.get("error"))
+            else:
+                ends.append("ok" if r.status_code == 200 else (r.status_code, r.json()))
+        failed = [e for e in ends if e != "ok"]
+        assert failed, ends  # 4 × 600 tokens do not fit 1,024 KV cells: the worker fails some
+        want = exceeded if stream else (500, {"error": exceeded})
+        assert all(e == want for e in failed), ends
+        end = time.monotonic() + 2
+        while any(s.get("is_processing") for s in gw.slots(w)):
+            assert time.monotonic() < end, "a slot stayed busy after its request failed"
+            time.sleep(0.05)
+        st = gw.status()
+        assert st["queue"]["depth"] == 0 and st["workers"][0]["busy"] == 0, st
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "hi", "raw": True, "stream": False,
+        "options": {"num_predict": 8}})
+    assert r.status_code == 200 and r.json()["eval_count"] == 8
+
+
 def test_n_choices_take_n_slots_and_a_request_beyond_waits_in_the_gateway(gateway_factory):
     """``/v1`` with ``n = 2`` runs two tasks side by side on its worker (llama-server ``n_cmpl``):
     the gateway counts both slots, so the next request waits in the gateway's queue instead of
