@@ -219,10 +219,6 @@ class Fleet:
         self.set_draining(worker_id, False)
         return True
 
-    def restarting(self, worker_id: str) -> bool:
-        """Whether a restart of the worker is running (``restart_worker``)."""
-        return worker_id in self._restarting
-
     async def drain(self, worker_id: str, timeout_s: float) -> int:
         """Stop new leases to ``worker_id`` and wait up to ``timeout_s`` seconds until its
         running requests finished. Returns how many were still running at the deadline. An
@@ -310,8 +306,8 @@ class Fleet:
         old = self.supervisors[worker_id]
         await self.remove_worker(worker_id, drain_s, "worker.restart_stopped")
         sup = self.add_worker(plan, "worker.restart_started")
-        if worker_id in self.held:  # drained by the operator: not in rotation once ready
-            self.set_draining(worker_id, True, held=True)
+        if worker_id in self.held:  # the operator's drain outlives the restart: not in
+            self.set_draining(worker_id, True, held=True)  # rotation while it loads or once ready
         sup.restarts = old.restarts + 1
         # the worker's record goes on: why it failed stays visible after an operator acts on it
         for count in ("slot_leaks", "crashes", "wedges", "crash_loops"):
@@ -319,11 +315,10 @@ class Fleet:
         self.supervisors = {k: self.supervisors[k] for k in order if k in self.supervisors} | \
             self.supervisors  # keep the fleet's order for listings
         await sup.wait_ready(ready_timeout_s)
-        if self.supervisors.get(worker_id) is not sup:  # a reload removed it meanwhile
-            return sup
-        if worker_id in self.held:  # the operator's drain outlives the restart
-            self.set_draining(worker_id, True, held=True)
-        elif self.draining(worker_id):  # drained while it loaded, undrained since
+        # An operator's drain, set above or during the load, stays; one that an undrain ended
+        # during the load (it left the drain to this restart) ends now.
+        if (self.supervisors.get(worker_id) is sup and worker_id not in self.held
+                and self.draining(worker_id)):
             self.set_draining(worker_id, False)
         return sup
 

@@ -55,6 +55,22 @@ def llama_server_pids() -> set[int]:
     return out
 
 
+def long_stream(url: str, stop=None) -> int:
+    """Stream an ``/api/generate`` of 60,000 tokens (raw prompt ``x``) from the gateway at
+    ``url`` until it ends or the ``threading.Event`` ``stop`` is set; keeps a slot busy (a
+    drain waiting, a worker occupied). Needs a context that holds it, or the worker ends it
+    early. Returns the lines read."""
+    n = 0
+    with httpx.stream("POST", url + "/api/generate", timeout=60, json={
+            "model": "demo", "prompt": "x", "raw": True,
+            "options": {"num_predict": 60000}}) as r:
+        for _ in r.iter_lines():
+            n += 1
+            if stop is not None and stop.is_set():
+                break
+    return n
+
+
 def orphaned(pids: set[int]) -> set[int]:
     """Those of ``pids`` (llama-server processes) whose parent is not a running gateway
     (``gateway serve``): what a gateway left behind. Workers of gateways that other tests run

@@ -14,7 +14,8 @@ import psutil
 import pytest
 import yaml
 
-from tests.conftest import base_config, free_port, llama_server_pids, pid_alive, start_gateway
+from tests.conftest import (base_config, free_port, llama_server_pids, long_stream, pid_alive,
+                            start_gateway)
 from tests.fakes import slow_start_binary
 from workers.provision import cache_root, ensure_llama_server
 
@@ -507,16 +508,10 @@ def test_admin_restart_and_reload_finish_when_their_client_leaves(gateway_factor
     admin = {"Authorization": "Bearer t"}
     old = gw.workers()[0]
 
-    def long_stream() -> None:  # keeps the drain waiting for drain_s
-        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
-                "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
-            for _ in r.iter_lines():
-                pass
-
     def leave_during_drain(path: str) -> None:
         """POST ``path`` while a long stream keeps the worker busy; leave after 0.5 s."""
         with cf.ThreadPoolExecutor(1) as ex:
-            ex.submit(long_stream)
+            ex.submit(long_stream, gw.url)  # keeps the drain waiting for drain_s
             wait = time.monotonic() + 20
             while not gw.workers()[0]["busy"]:
                 assert time.monotonic() < wait
@@ -593,21 +588,13 @@ def test_operator_drain_and_undrain_around_a_restart(gateway_factory):
 
     stop_long = threading.Event()
 
-    def long_stream() -> None:  # keeps the restart's drain waiting (up to drain_s)
-        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
-                "model": "demo", "prompt": "x", "raw": True,
-                "options": {"num_predict": 60000}}) as r:
-            for _ in r.iter_lines():
-                if stop_long.is_set():
-                    break
-
     def short(rid: str) -> httpx.Response:
         return httpx.post(gw.url + "/api/generate", headers={"X-Request-ID": rid}, timeout=60,
                           json={"model": "demo", "prompt": "y", "raw": True, "stream": False,
                                 "options": {"num_predict": 2}})
 
     with cf.ThreadPoolExecutor(3) as ex:
-        ex.submit(long_stream)
+        ex.submit(long_stream, gw.url, stop_long)  # keeps the restart's drain waiting
         end = time.monotonic() + 20
         while me()["busy"] != 1:
             assert time.monotonic() < end

@@ -10,6 +10,7 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -17,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import base_config, free_port, pid_alive
+from tests.conftest import base_config, free_port, long_stream, pid_alive
 from tests.fakes import fake_binary, is_fake
 from workers.provision import ensure_llama_server
 
@@ -593,30 +594,18 @@ def test_requests_during_a_stall_check_wait_for_the_steady_worker(tmp_path, gate
         return [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
                 if f'"{event}"' in ln and f'"{rid}"' in ln]
 
-    stop_long = False
-
-    def long_stream() -> int:  # keeps the real worker's one slot busy until told to stop
-        n = 0
-        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
-                "model": "demo", "prompt": "long", "raw": True,
-                "options": {"num_predict": 60000}}) as r:
-            for _ in r.iter_lines():
-                n += 1
-                if stop_long:
-                    break
-        return n
-
+    stop_long = threading.Event()
     with cf.ThreadPoolExecutor(3) as ex:
         a = ex.submit(post, "stalls-on-fake")
         wait_for(lambda: worker(fake["id"])["busy"] == 1, 10, "A on the FAKE")
-        long = ex.submit(long_stream)
+        long = ex.submit(long_stream, gw.url, stop_long)  # the real worker's one slot
         wait_for(lambda: all(w["busy"] == 1 for w in gw.workers()), 10,
                  "the long stream on the real worker")
         wait_for(lambda: log_lines("upstream.retry", "stalls-on-fake"), 10, "A stalled and retried")
         assert worker(fake["id"])["stall_check"] is True  # checked at once: A held its last slot
         b = ex.submit(post, "sent-during-the-check")
         time.sleep(3)  # past B's first_byte_s, had it gone to the FAKE; the check still runs
-        stop_long = True
+        stop_long.set()
         assert long.result(timeout=30) > 0
         ra, rb = a.result(timeout=60), b.result(timeout=60)
     assert (ra.status_code, rb.status_code) == (200, 200), (ra.text, rb.text)
