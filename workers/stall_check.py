@@ -77,6 +77,7 @@ async def check_worker(http: aiohttp.ClientSession, url: str, headers: dict, tim
     Never raises for the worker's failures (timeouts, refused connections, bad bodies)."""
     deadline = time.monotonic() + timeout_s
     asking = "its main loop (GET /lora-adapters)"
+    first: frozenset | None = None
     try:
         async with asyncio.timeout(timeout_s):
             async with http.get(url + LORA_PATH, headers=headers,
@@ -85,7 +86,6 @@ async def check_worker(http: aiohttp.ClientSession, url: str, headers: dict, tim
                 if r.status != 200:
                     return f"{asking} answered HTTP {r.status}"
             asking = "GET /slots"
-            first: frozenset | None = None
             while True:
                 async with http.get(url + "/slots", headers=headers,
                                     timeout=aiohttp.ClientTimeout(total=None)) as r:
@@ -100,6 +100,8 @@ async def check_worker(http: aiohttp.ClientSession, url: str, headers: dict, tim
                     return f"every slot stayed busy with no progress for {timeout_s:g} s"
                 await asyncio.sleep(poll_s)
     except TimeoutError:
+        if first is not None:  # /slots answered, all busy; the deadline fell in a later poll
+            return f"every slot stayed busy with no progress for {timeout_s:g} s"
         return f"{asking} did not answer within {timeout_s:g} s"
     except (aiohttp.ClientError, OSError, ValueError) as e:
         return f"{asking} failed: {e}"
