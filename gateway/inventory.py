@@ -163,19 +163,23 @@ class ModelEntry:
     _digest: str | None = None
     worker_template: str | None = None   # chat template a worker reported in /props, if asked
     worker_vision: bool = False          # a worker reported modalities.vision in /props
-    last_used: datetime | None = None
+    last_used_s: float | None = None      # time.time() of the last request (touch)
 
     def touch(self, keep_alive_s: float | None = None) -> None:
-        """Record a request. Its Ollama ``keep_alive`` (seconds; the handlers validate it) changes
-        nothing: the gateway keeps every model loaded (``expires_at``)."""
-        self.last_used = datetime.now().astimezone()
+        """Record a request (a float timestamp: this runs on every request's path, and a
+        local-time ``datetime`` is built only when ``/api/ps`` asks). Its Ollama ``keep_alive``
+        (seconds; the handlers validate it) changes nothing: the gateway keeps every model
+        loaded (``expires_at``)."""
+        self.last_used_s = time.time()
 
     def expires_at(self, loaded_at: datetime) -> datetime:
         """When ``/api/ps`` says the model unloads: never, shown as Ollama shows a model kept
         forever (``keep_alive`` < 0): the last request (or ``loaded_at``) + Go's largest duration,
         about 292 years later. The gateway never unloads a model it serves, whatever
         ``keep_alive`` a request gave, so any nearer time would be a time it did not unload at."""
-        return (self.last_used or loaded_at) + GO_MAX_DURATION
+        last = (datetime.fromtimestamp(self.last_used_s).astimezone()
+                if self.last_used_s is not None else loaded_at)
+        return last + GO_MAX_DURATION
 
     @classmethod
     def load(cls, name: str, path: Path, aliases=(), embeddings: bool = False) -> "ModelEntry":

@@ -3,8 +3,12 @@
     python tests/bench/real_bench.py [--out docs/bench_real.md]
 
 1. Gateway overhead: the same streaming requests straight to one worker and through the
-   gateway (in the same run): added TTFT p50/p99; throughput at saturation (8 concurrent
-   clients × N requests) direct to both workers split by hand vs through the gateway.
+   gateway (in the same run): added TTFT p50/p99, measured twice on the same gateway and
+   worker: with the kernel's placement (gateway, worker and this client share every core), and
+   with the gateway alone on the first core and the worker and this client on the others (as
+   on a GPU server, where the model computes on the GPU and the gateway has a core of its own;
+   every thread pinned, ``overhead_ab.pin``); throughput at saturation (8 concurrent clients ×
+   N requests) direct to both workers split by hand vs through the gateway.
 2. Prefix affinity: a shared-system-prompt workload through the gateway with policy
    least_loaded+affinity vs round_robin vs least_loaded without affinity, counted by the
    workers' own ``llamacpp:prompt_tokens_cached_total``.
@@ -25,11 +29,13 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import psutil
 import uvloop
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.bench.overhead_ab import pin  # noqa: E402
 from tests.conftest import base_config, free_port, start_gateway, worker_key  # noqa: E402
 from workers.telemetry import parse_metrics  # noqa: E402
 
@@ -51,6 +57,23 @@ def ttft_stream(client, url, body, headers=None):
                 first = time.perf_counter() - t0
             n += 1
     return first, time.perf_counter() - t0
+
+
+def overhead_pinned(gw, n=200):
+    """``overhead`` with the gateway's threads alone on the first CPU and the worker's and this
+    process's threads on the others; every affinity is restored afterwards. Returns
+    (direct, gateway) TTFTs in s, or None on a machine with one CPU."""
+    cpus = sorted(psutil.Process().cpu_affinity())
+    if len(cpus) < 2:
+        return None
+    wpid = gw.workers()[0]["pid"]
+    try:
+        for pid, mask in ((wpid, cpus[1:]), (gw.proc.pid, cpus[:1]), (None, cpus[1:])):
+            pin(pid, mask)
+        return overhead(gw, n)
+    finally:
+        for pid in (wpid, gw.proc.pid, None):
+            pin(pid, cpus)
 
 
 def overhead(gw, n=200):
@@ -181,6 +204,7 @@ def main():
     gw = start_gateway(tmp, one)
     try:
         d, g = overhead(gw, n=400)
+        pinned = overhead_pinned(gw, n=400)
         sat1 = saturation(gw)
     finally:
         gw.stop()
@@ -192,6 +216,9 @@ def main():
               f"| TTFT p50 (ms), 1 worker, 400 sequential streams of 16 tokens, direct and gateway interleaved | {pct(d, 50)*1000:.2f} | {pct(g, 50)*1000:.2f} | {add50:+.2f} |",
               f"| TTFT p99 (ms) | {pct(d, 99)*1000:.2f} | {pct(g, 99)*1000:.2f} | {add99:+.2f} |",
               f"| TTFT mean (ms) | {statistics.mean(d)*1000:.2f} | {statistics.mean(g)*1000:.2f} | {(statistics.mean(g)-statistics.mean(d))*1000:+.2f} |",
+              *([f"| TTFT p50 (ms), 400 more streams, the gateway alone on a core (worker and client on the other) | {pct(pinned[0], 50)*1000:.2f} | {pct(pinned[1], 50)*1000:.2f} | {(pct(pinned[1], 50) - pct(pinned[0], 50))*1000:+.2f} |",
+                 f"| TTFT p99 (ms), gateway alone on a core | {pct(pinned[0], 99)*1000:.2f} | {pct(pinned[1], 99)*1000:.2f} | {(pct(pinned[1], 99) - pct(pinned[0], 99))*1000:+.2f} |"]
+                if pinned else []),
               f"| saturated throughput (tokens/s), 2 workers, 8 streaming clients × 12 × 400 tokens | {sat['direct']:,.0f} | {sat['gateway']:,.0f} | {sat['gateway']/sat['direct']*100:.1f} % of direct |",
               f"| saturated throughput (tokens/s), 1 worker (a core left for gateway + clients) | {sat1['direct']:,.0f} | {sat1['gateway']:,.0f} | {sat1['gateway']/sat1['direct']*100:.1f} % of direct |",
               f"| load generator CPU per 1,000 tokens (ms), 2 workers / 1 worker | {sat['client_ms_per_1k']['direct']:.1f} / {sat1['client_ms_per_1k']['direct']:.1f} | {sat['client_ms_per_1k']['gateway']:.1f} / {sat1['client_ms_per_1k']['gateway']:.1f} | |",
