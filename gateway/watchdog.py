@@ -6,8 +6,11 @@ One timer task per gateway (never per request, never per token) looks at all of 
 
 * worker progress is read from ``resp.content.total_bytes`` (the count of body bytes
   received, ``gateway.worker_http.Body``), so the hot path pays nothing;
-* no body byte within ``first_byte_s`` of sending, or no byte for ``inter_token_s`` after
-  one, aborts the stream with ``UpstreamError(504)`` and reports the worker as stalled;
+* no answer within ``first_byte_s`` of sending (``resp.answered``: llama-server's
+  prompt-progress events during the prefill are progress, not the answer, so a long prompt
+  keeps the first-byte limit it had without them), or no byte for ``inter_token_s`` after the
+  answer began, aborts the stream with ``UpstreamError(504)`` and reports the worker as
+  stalled;
 * past the request deadline, ``UpstreamError(504, kind="deadline")``;
 * a client whose socket write buffer stays full for ``client_write_s`` is dropped
   (``transport.abort()``: aiohttp cancels its handler, the lease is released in ``finally``,
@@ -134,10 +137,10 @@ class Watchdog:
             if now >= w.deadline:
                 log.warning("watchdog.deadline", request_id=w.request_id, worker=w.worker_id)
                 w.abort(self.make_error(504, "request deadline exceeded", "deadline"))
-            elif w.bytes_seen == 0 and now - w.t_sent > self.first_byte_s:
+            elif not w.resp.answered and now - w.t_sent > self.first_byte_s:
                 self._stall(w, f"worker {w.worker_id} sent nothing within {self.first_byte_s:g} s",
                             "first_byte_timeout")
-            elif w.bytes_seen and now - w.t_progress > self.inter_token_s:
+            elif w.resp.answered and now - w.t_progress > self.inter_token_s:
                 self._stall(w, f"worker {w.worker_id} sent nothing for {self.inter_token_s:g} s "
                                f"mid-answer", "inter_token_timeout")
         for wid in progressed:

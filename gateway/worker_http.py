@@ -197,13 +197,35 @@ class _Conn(asyncio.Protocol):
 
 class WorkerResponse:
     """A worker's answer. ``status`` (int), ``headers`` (lower-case name → value), ``content``
-    (:class:`Body`). ``close()`` drops the connection, which tells the worker the client left."""
+    (:class:`Body`). ``close()`` drops the connection, which tells the worker the client left.
+
+    ``progress``: True when the request asked llama-server for prompt-progress events
+    (``return_progress``), which precede the answer and are not part of it; the SSE reader
+    (``gateway.upstream.iter_sse_batches``) then drops them and calls :meth:`note_answer` at
+    the first event that is the answer. ``on_answer``: called once at the answer's first
+    bytes (None: nothing to call)."""
 
     def __init__(self, conn: _Conn, status: int | None = None):
         self._conn = conn
         self.status = status  # None until :meth:`wait_head`
         self.headers = conn.headers
         self.content = conn.body
+        self.progress = False
+        self.on_answer: Callable[[], None] | None = None
+        self._answered = False
+
+    @property
+    def answered(self) -> bool:
+        """True once the answer itself began: its first event (``progress``), else its first
+        body bytes."""
+        return self._answered or (not self.progress and self.content.total_bytes > 0)
+
+    def note_answer(self) -> None:
+        """The answer's first event arrived (called by the SSE reader; idempotent)."""
+        if not self._answered:
+            self._answered = True
+            if self.on_answer is not None:
+                self.on_answer()
 
     async def wait_head(self) -> int:
         """Wait for the status line and headers; returns the status. Raises

@@ -1,12 +1,15 @@
-"""Unit test of gateway.upstream's settings: one path (``Upstream.configure``) takes the limits
-of a config, at start and on reload (the request paths are covered end to end in tests/e2e)."""
+"""Unit tests of gateway.upstream: its settings (one path, ``Upstream.configure``, takes the
+limits of a config, at start and on reload) and its SSE reader against a small asyncio server
+(the request paths are covered end to end in tests/e2e)."""
 
+import asyncio
 import time
 
 from gateway.admission import Admission
 from gateway.config import parse_config
 from gateway.scheduling import Dispatcher
-from gateway.upstream import Upstream
+from gateway.upstream import Upstream, iter_sse_batches
+from tests.test_worker_http import post, serve
 
 
 def _config(first_byte_s, request_s, inter_token_s, client_write_s, write_buffer_bytes,
@@ -34,3 +37,63 @@ def test_limits_come_from_the_config_at_start_and_on_reload():
     assert _limits(up) == (0.4, 40, 0.4, 8, 9, 8192)
     assert up.watchdog.tick_s == 0.1  # the watchdog ticks for the new first-byte limit
     assert up.spares is None  # fixed for the client's life (a restart-only setting)
+
+
+# Events as the pinned llama-server sends them with ``return_progress`` (recorded from a real
+# worker: /completion, then /v1/chat/completions; progress events carry no content).
+PROGRESS_EVENTS = [
+    b'{"index":0,"content":"","tokens":[0],"stop":false,"id_slot":-1,"tokens_predicted":0,'
+    b'"tokens_evaluated":1501,"prompt_progress":{"total":1501,"cache":0,"processed":0,"time_ms":0}}',
+    b'{"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],'
+    b'"object":"chat.completion.chunk","prompt_progress":{"total":1513,"cache":0,"processed":1513,'
+    b'"time_ms":65}}',
+]
+# A token whose text names the key: inside a JSON string its quotes are escaped.
+ANSWER = b'{"index":0,"content":"say \\"prompt_progress\\": 1","tokens":[103],"stop":false}'
+
+
+def _sse(*payloads: bytes) -> bytes:
+    body = b"".join(b"data: " + p + b"\n\n" for p in payloads)
+    return b"%x\r\n%s\r\n" % (len(body), body)
+
+
+async def test_sse_reader_drops_the_prompt_progress_it_asked_for_and_notes_the_answer():
+    gate = asyncio.Event()
+
+    async def reply(r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _sse(*PROGRESS_EVENTS))
+        await w.drain()
+        await gate.wait()
+        w.write(_sse(ANSWER, b"[DONE]") + b"0\r\n\r\n")
+        await w.drain()
+
+    server, port, _ = await serve(reply)
+    async with server:
+        resp = await post("127.0.0.1", port, "/completion", b"{}", {})
+        resp.progress = True
+        answers = []
+        resp.on_answer = lambda: answers.append(resp.content.total_bytes)
+        batches = iter_sse_batches(resp)
+        first = asyncio.ensure_future(batches.__anext__())
+        while not resp.content.total_bytes:  # the progress events arrived
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert not first.done() and not resp.answered and answers == []
+        gate.set()
+        assert await first == [ANSWER]
+        assert resp.answered and len(answers) == 1 and answers[0] > len(b"".join(PROGRESS_EVENTS))
+        assert [b async for b in batches] == []
+
+
+async def test_sse_reader_passes_progress_events_a_client_asked_for():
+    """Without ``progress`` (the client set ``return_progress`` itself), nothing is dropped."""
+    async def reply(r, w):
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + _sse(*PROGRESS_EVENTS, ANSWER) + b"0\r\n\r\n")
+        await w.drain()
+
+    server, port, _ = await serve(reply)
+    async with server:
+        resp = await post("127.0.0.1", port, "/completion", b"{}", {})
+        got = [p async for batch in iter_sse_batches(resp) for p in batch]
+        assert got == [*PROGRESS_EVENTS, ANSWER] and resp.answered

@@ -15,9 +15,13 @@ class Content:  # stands in for aiohttp's StreamReader: total_bytes + set_except
         self.exc = exc
 
 
-class Resp:
+class Resp:  # stands in for gateway.worker_http.WorkerResponse without progress events
     def __init__(self):
         self.content = Content()
+
+    @property
+    def answered(self):
+        return self.content.total_bytes > 0
 
 
 class Transport:
@@ -59,6 +63,42 @@ def test_first_byte_inter_token_and_deadline():
     assert a.resp.content.exc is None
     wd.check(5.5)
     assert a.resp.content.exc.kind == "first_byte_timeout" and stalls == ["w2", "w1"]
+
+
+def test_prompt_progress_is_not_the_answer_for_the_first_byte_limit():
+    """With llama-server's prompt-progress events (a real WorkerResponse, ``progress``), bytes
+    during the prefill count as the worker's progress but not as the answer: the first-byte
+    limit still applies until the first real event, and the inter-token limit only after it."""
+    from gateway.worker_http import WorkerResponse, _Conn
+
+    loop = asyncio.new_event_loop()
+    try:
+        wd, stalls, progress = make()
+        long_prefill = StreamWatch("w1", "r1", WorkerResponse(_Conn(loop)), t_sent=0.0,
+                                   deadline=100.0)
+        answering = StreamWatch("w2", "r2", WorkerResponse(_Conn(loop)), t_sent=0.0,
+                                deadline=100.0)
+        for w in (long_prefill, answering):
+            w.resp.progress = True
+            w.t_progress = 0.0
+            wd.watches.add(w)
+        long_prefill.resp.content.total_bytes = 120  # progress events only
+        answering.resp.content.total_bytes = 120
+        wd.check(1.0)
+        assert sorted(progress) == ["w1", "w2"] and not stalls
+        answering.resp.note_answer()
+        answering.resp.content.total_bytes = 200
+        wd.check(1.5)
+        wd.check(3.0)  # w1: 2 s without bytes, but no answer yet: only the first-byte limit
+        assert long_prefill.aborted is None and answering.aborted is None
+        wd.check(3.6)  # w2 answered and then fell silent for more than inter_token_s
+        assert answering.aborted == "worker w2 sent nothing for 2 s mid-answer"
+        assert long_prefill.aborted is None
+        wd.check(5.1)
+        assert long_prefill.aborted == "worker w1 sent nothing within 5 s"
+        assert stalls == ["w2", "w1"]
+    finally:
+        loop.close()
 
 
 def test_client_not_reading_is_dropped_and_worker_not_blamed():

@@ -150,3 +150,37 @@ def test_model_of_the_wrong_type_is_named_as_such(gw):
                             (None, "model is required"), ("", "model is required")):
             r = httpx.post(gw.url + path, json={"model": model, **body}, timeout=30)
             assert r.status_code == 400 and r.json()["error"]["message"] == text, (path, model, r.text)
+
+
+LONG_PROMPT = "tell me a story " * 40  # about 160 tokens: past upstream.PROGRESS_MIN_PROMPT_TOKENS
+
+
+def test_prompt_progress_the_gateway_asks_for_never_reaches_a_client(gw, client):
+    """Prompts of 64 estimated tokens or more go up with ``return_progress`` (field case 7:
+    it makes llama-server notice a client that left during the prefill); those progress
+    events carry no content and never reach a client, on ``/v1`` streamed or not and on
+    ``/api``. A client that asks for them itself gets them."""
+    chat = list(client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=4,
+        stream=True, stream_options={"include_usage": True}))
+    assert all("prompt_progress" not in (c.model_extra or {}) for c in chat)
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].usage.completion_tokens == 4 and chat[-1].usage.prompt_tokens > 64
+    done = client.completions.create(model="demo", prompt=LONG_PROMPT, max_tokens=4)
+    assert done.usage.completion_tokens == 4 and done.choices[0].finish_reason == "length"
+    assert "prompt_progress" not in (done.model_extra or {})
+    with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+            "model": "demo", "prompt": LONG_PROMPT, "raw": True,
+            "options": {"num_predict": 4}}) as r:
+        lines = [json.loads(ln) for ln in r.iter_lines() if ln]
+    assert all("prompt_progress" not in ln for ln in lines)
+    assert lines[-1]["done"] is True and lines[-1]["eval_count"] == 4
+    asked = []
+    with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
+            "model": "demo", "prompt": LONG_PROMPT, "max_tokens": 4, "stream": True,
+            "return_progress": True}) as r:
+        for ln in r.iter_lines():
+            if ln.startswith("data: {"):
+                asked.append(json.loads(ln[6:]))
+    progress = [e for e in asked if "prompt_progress" in e]
+    assert progress and progress[-1]["prompt_progress"]["processed"] > 64

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import socket
 import threading
 import time
 
@@ -18,6 +19,7 @@ import pytest
 
 from tests.conftest import base_config, free_port, start_gateway
 from tests.e2e.compat_helpers import worker_metrics
+from workers.demo_model import write_demo_model
 
 pytestmark = pytest.mark.slow
 
@@ -203,7 +205,11 @@ def test_prefill_backlog_counts_a_request_until_its_first_token(gw1):
 
 def test_single_slot_disconnect_then_next_request_runs(gw1):
     """Field case 8: -np 1, stream a long chat, kill the client after 5 tokens, next request
-    gets the slot (the upstream request was closed, so the worker freed its slot)."""
+    gets the slot (the upstream request was closed, so the worker freed its slot). The
+    worker's own ``tokens_predicted_total`` shows the chat's generation was cut short: had it
+    run on, the next request would have waited for its 3,500 tokens and found them counted."""
+    w = gw1.workers()[0]
+    before = worker_metrics(w)["llamacpp:tokens_predicted_total"]
     c = httpx.Client(timeout=60)
     with c.stream("POST", gw1.url + "/api/chat", json={
             "model": "demo", "messages": [{"role": "user", "content": "go on"}],
@@ -216,6 +222,8 @@ def test_single_slot_disconnect_then_next_request_runs(gw1):
         "model": "demo", "prompt": "hi", "raw": True, "stream": False,
         "options": {"num_predict": 5}}, timeout=30)
     assert r2.status_code == 200 and r2.json()["eval_count"] == 5
+    generated = worker_metrics(w)["llamacpp:tokens_predicted_total"] - before
+    assert 5 <= generated < 1000, generated
 
 
 def test_non_streaming_disconnect_frees_slot(gw1):
@@ -231,6 +239,56 @@ def test_non_streaming_disconnect_frees_slot(gw1):
     assert wait_until(lambda: not any(s.get("is_processing") for s in gw1.slots(w)), 2.0)
     assert time.monotonic() - t_gone <= 2.0
     assert gateway_state(gw1)["workers"][0]["busy"] == 0
+
+
+@pytest.fixture(scope="module")
+def gw_long(tmp_path_factory):
+    """1 worker × 1 slot of a demo model trained for 16,384 tokens, with all of them as the
+    slot's context: an 11,000-token prompt then takes seconds of prefill on these CPUs."""
+    tmp = tmp_path_factory.mktemp("gw_long")
+    cfg = base_config(free_port())
+    cfg["models"][0].update(slots=1, cpu=1, context=16384,
+                            path=str(write_demo_model(tmp / "long.gguf", n_ctx_train=16384)))
+    gp = start_gateway(tmp, cfg)
+    yield gp
+    gp.stop()
+
+
+@pytest.mark.parametrize("path,stream,word", [("/api/generate", False, "on "),
+                                              ("/api/chat", True, "in ")])
+def test_disconnect_during_prefill_stops_the_workers_prompt(gw_long, path, stream, word):
+    """Field case 7, prefill: a client that leaves while its long prompt is computed. The
+    gateway's occupancy drops at once, the worker's slot is idle within 2 s, and the worker
+    did not compute the rest of the prompt (its ``prompt_tokens_total`` counts a prompt when
+    it is done). Before the gateway asked for prompt-progress events, llama-server computed
+    the whole prompt: it looks at a connection only after a second with no result for any of
+    its requests, and the gateway's own /slots and /metrics polls gave it one every 250 ms."""
+    w = gw_long.workers()[0]
+    before = worker_metrics(w)["llamacpp:prompt_tokens_total"]
+    body = {"model": "demo", "stream": stream, "options": {"num_predict": 100}}
+    if path == "/api/generate":
+        body.update(prompt=word * 11000, raw=True)
+    else:
+        body["messages"] = [{"role": "user", "content": word * 11000}]
+    raw = json.dumps(body).encode()
+    client = socket.create_connection(("127.0.0.1", gw_long.port))
+    client.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % (path.encode(), len(raw)) + raw)
+    assert wait_until(lambda: any(s.get("is_processing") for s in gw_long.slots(w)), 10)
+    time.sleep(0.3)
+    st = gateway_state(gw_long)["workers"][0]
+    assert st["busy"] == 1 and st["prefill_backlog_tokens"] > 10000, st  # still in prefill
+    client.close()
+    t_gone = time.monotonic()
+    assert wait_until(lambda: gateway_state(gw_long)["workers"][0]["busy"] == 0, 0.5)
+    assert wait_until(lambda: not any(s.get("is_processing") for s in gw_long.slots(w)), 2.0)
+    assert time.monotonic() - t_gone <= 2.0
+    computed = worker_metrics(w)["llamacpp:prompt_tokens_total"] - before
+    assert computed < 11000, computed  # the whole prompt would count 11,000 and more
+    r = httpx.post(gw_long.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "hi", "raw": True, "stream": False,
+        "options": {"num_predict": 3}})
+    assert r.status_code == 200 and r.json()["eval_count"] == 3
 
 
 def test_non_streamed_upstream_disconnect_keeps_the_slot_leased_until_the_worker_is_done(gw1):
