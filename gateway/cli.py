@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo-model", help="write the offline demo GGUF (if missing)")
     d.add_argument("--path", default=None)
     d.add_argument("--force", action="store_true", help="write it again even if it exists")
+    d.add_argument("--context-length", type=int, default=None, metavar="TOKENS",
+                   help="the model's training context (GGUF context_length; default 4096); "
+                        "writes the file even if it exists. Use with --path for a second "
+                        "model with a long context (the config's 'context' is capped by it)")
     c = sub.add_parser("check-config", help="validate a config and show the worker plan")
     c.add_argument("-c", "--config", default="gateway.yaml")
     url_help = "gateway URL (default $LLAMA_GATEWAY_URL or http://127.0.0.1:11434)"
@@ -239,7 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     if verb == "demo-model":
         from workers.demo_model import demo_model_path, ensure_demo_model, write_demo_model
         path = Path(args.path) if args.path else demo_model_path()
-        path = write_demo_model(path) if args.force else ensure_demo_model(path)
+        if args.context_length is not None:
+            if args.context_length < 16:
+                sys.stderr.write("llama-gateway: --context-length must be at least 16 tokens\n")
+                return 2
+            path = write_demo_model(path, n_ctx_train=args.context_length)
+        else:
+            path = write_demo_model(path) if args.force else ensure_demo_model(path)
         sys.stdout.write(f"{path}\n")
         return 0
     return 2

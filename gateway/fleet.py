@@ -485,13 +485,15 @@ class Fleet:
             log.info("tokenizer.measured", worker=sup.id, model=sup.spec.alias,
                      bytes_per_token=round(bpt, 3))
 
-    def estimate(self, model: str, body: dict) -> SizeEstimate:
-        """Size estimate and prefix key of an upstream body for ``model`` (gateway.sizing)."""
+    def estimate(self, model: str, body: dict, counted_tokens: int | None = None) -> SizeEstimate:
+        """Size estimate and prefix key of an upstream body for ``model`` (gateway.sizing;
+        ``counted_tokens``: its single prompt's tokens counted by a worker, if known)."""
         sc = self.config.scheduler
         n_ctx = max((w.n_ctx for w in self.admission.dispatcher.workers_for(model)), default=0)
         return estimate(body, bytes_per_token=self.bytes_per_token.get(model, sc.bytes_per_token),
                         prefix_bytes=sc.prefix_bytes,
-                        unknown_num_predict=sc.unknown_num_predict_tokens, n_ctx=n_ctx)
+                        unknown_num_predict=sc.unknown_num_predict_tokens, n_ctx=n_ctx,
+                        counted_tokens=counted_tokens)
 
     def gpu_of(self, worker_id: str | None) -> str | None:
         """The worker's ``LaunchSpec.gpu_label`` ("0", "1,3", "cpu"); None for an unknown id."""

@@ -218,11 +218,13 @@ def prompt_texts(body: dict, path: str) -> list[str]:
     return []
 
 
-async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> None:
+async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> int | None:
     """Raises ApiError(400) when a prompt ``path`` would send (:func:`prompt_texts`) to
     ``entry`` (the model ``body`` names, resolved by the caller) needs more tokens than one
     slot's context. An embedding model is not checked (embeddings.py cuts or refuses each
-    input itself).
+    input itself). Returns the prompt's tokens as the worker counted them when the request
+    has one prompt text and it was counted (then the scheduler's size estimate uses that
+    count, ``gateway.sizing.estimate``), else None.
 
     A prompt longer than the context in bytes is counted by a worker's ``/tokenize``, unless
     admission would refuse the request at once (``Admission.would_refuse``: full queue, no
@@ -233,18 +235,22 @@ async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> N
     ``gw`` is the Gateway (fleet, upstream session, ``context_per_slot``).
     """
     if entry.embeddings:
-        return
+        return None
     ctx = gw.context_per_slot(entry.name)
     if not ctx:
-        return
-    for text in prompt_texts(body, path):
+        return None
+    texts = prompt_texts(body, path)
+    counted = None
+    for text in texts:
         if len(text.encode("utf-8", "surrogatepass")) <= ctx:
             continue
         if gw.admission.would_refuse(entry.name) is not None:
-            return
+            return None
         n = await _count_tokens(gw, entry.name, text)
         if n is not None and n >= ctx:
             raise ApiError(400, context_overflow(n, ctx))
+        counted = n
+    return counted if len(texts) == 1 else None
 
 
 async def _count_tokens(gw, model: str, text: str) -> int | None:

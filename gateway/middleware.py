@@ -201,7 +201,9 @@ class Guard:
                 if cfg.limits.check_prompt_length and entry is not None and body.get("model"):
                     token = current_request.set(request)  # its side call logs the request id
                     try:
-                        await limits.check_prompt_length(gw, entry, body, path)
+                        counted = await limits.check_prompt_length(gw, entry, body, path)
+                        if counted is not None:  # the size estimate takes it (make_ticket)
+                            request["prompt_tokens_counted"] = counted
                     finally:
                         current_request.reset(token)
         inference = request.method == "POST" and path in limits.INFERENCE_ROUTES

@@ -185,10 +185,17 @@ def _prompt_tokens(size: int, bytes_per_token: float) -> tuple[int, int]:
 
 
 def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
-             unknown_num_predict: int, n_ctx: int = 0) -> SizeEstimate:
+             unknown_num_predict: int, n_ctx: int = 0,
+             counted_tokens: int | None = None) -> SizeEstimate:
     """Size estimate of one upstream request body. ``n_predict`` / ``max_tokens`` /
     ``max_completion_tokens`` give the generation budget; when absent or < 0,
     ``unknown_num_predict`` tokens are assumed (capped by ``n_ctx`` if known).
+    ``counted_tokens``: the prompt's tokens as a worker's tokenizer counted them (the prompt
+    length check, gateway/limits.py), used instead of the bytes estimate for a single prompt,
+    for the refusal as well (a text that tokenizes much worse than the sample, such as a
+    word repeated, is otherwise refused while it fits). For a chat it counts the messages'
+    contents, not the template's few tokens per message: the worker still refuses what does
+    not fit.
 
     Several prompts (``prompts_of``): each string or token list is sized as a prompt of its
     own (other kinds count 0 tokens: the worker still refuses one too long); the estimate
@@ -210,6 +217,8 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
                             slots=len(several) * choices(body), prompts=len(several))
     flat, size = prompt_head_and_size(body)
     prompt, refuse = _prompt_tokens(size, bytes_per_token)
+    if counted_tokens is not None:
+        prompt = refuse = counted_tokens
     est = prompt + gen
     if n_ctx:
         est = min(est, n_ctx)

@@ -138,7 +138,9 @@ class Watchdog:
                 log.warning("watchdog.deadline", request_id=w.request_id, worker=w.worker_id)
                 w.abort(self.make_error(504, "request deadline exceeded", "deadline"))
             elif not w.resp.answered and now - w.t_sent > self.first_byte_s:
-                self._stall(w, f"worker {w.worker_id} sent nothing within {self.first_byte_s:g} s",
+                self._stall(w, f"worker {w.worker_id} sent no token within {self.first_byte_s:g} "
+                               f"s (it was still computing the prompt)" if w.bytes_seen else
+                            f"worker {w.worker_id} sent nothing within {self.first_byte_s:g} s",
                             "first_byte_timeout")
             elif w.resp.answered and now - w.t_progress > self.inter_token_s:
                 self._stall(w, f"worker {w.worker_id} sent nothing for {self.inter_token_s:g} s "

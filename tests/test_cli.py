@@ -74,3 +74,18 @@ def test_check_config_prints_the_per_slot_context_the_model_allows(tmp_path):
     assert rows["big-cpu0"].endswith(
         "slots=2\tcontext/slot=2048 (capped from 4096: the model's training context)")
     assert rows["fits-cpu0"].endswith("slots=2\tcontext/slot=1024")
+
+
+def test_demo_model_with_a_longer_training_context(tmp_path):
+    """``demo-model --context-length`` writes a demo GGUF trained for that many tokens, which
+    check-config then allows per slot (the README's way to try long prompts)."""
+    gguf = tmp_path / "long.gguf"
+    r = run("demo-model", "--path", str(gguf), "--context-length", "16384")
+    assert r.returncode == 0 and r.stdout.strip() == str(gguf), r.stderr
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(f"listen: 127.0.0.1:0\nmodels:\n"
+                   f"  - {{name: long, path: {gguf}, cpu: 1, slots: 1, context: 16384}}\n")
+    r = run("check-config", "-c", str(cfg))
+    assert r.returncode == 0 and r.stdout.strip().endswith("slots=1\tcontext/slot=16384"), r
+    bad = run("demo-model", "--path", str(tmp_path / "x.gguf"), "--context-length", "0")
+    assert bad.returncode == 2 and "at least 16" in bad.stderr

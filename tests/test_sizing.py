@@ -22,6 +22,17 @@ def test_token_list_prompt_is_exact():
     assert e.prompt_tokens == 300 and e.est_tokens == 310 and e.prefill_tokens == 300
 
 
+def test_a_counted_prompt_replaces_the_bytes_estimate():
+    """A worker's count of the single prompt (the prompt length check) is the refusal size and
+    the prefill; the prefix key stays the text's."""
+    text = {"prompt": "on " * 1000, "n_predict": 10}
+    e = est(text, counted_tokens=1001, n_ctx=1200)
+    assert (e.prompt_tokens, e.prefill_tokens, e.est_tokens) == (1001, 1001, 1011)
+    assert e.prefix_key == est(text).prefix_key
+    assert est(text, counted_tokens=1001, n_ctx=1005).est_tokens == 1005
+    assert est(text).prompt_tokens == int(3000 / (2.0 * REFUSE_SAFETY))  # 1200: would not fit
+
+
 def test_chat_prefix_key_shared_head():
     sys_msg = {"role": "system", "content": "You are a pirate. " * 10}
     a = est({"messages": [sys_msg, {"role": "user", "content": "hi"}], "max_tokens": 5})

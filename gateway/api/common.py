@@ -151,7 +151,7 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
     request["priority"], request["ticket"] = prio, ticket
     fleet = getattr(gw, "fleet", None)
     if body is not None and fleet is not None:
-        size = fleet.estimate(model, body)
+        size = fleet.estimate(model, body, request.get("prompt_tokens_counted"))
         ticket.prompt_tokens, ticket.est_tokens = size.prompt_tokens, size.est_tokens
         ticket.prefill_tokens = size.prefill_tokens
         ticket.prefix_key, ticket.prefix_chain = size.prefix_key, size.prefix_chain

@@ -360,6 +360,22 @@ def test_priority_then_queue_timeout(gw1):
     assert bad.status_code == 400 and "X-Priority" in bad.json()["error"]
 
 
+def test_a_prompt_that_fits_by_the_workers_count_is_served(gw1):
+    """Found by a fresh tester: a prompt of a word repeated tokenizes at 3 bytes per token, the
+    demo model's sample at 1.9, so the bytes estimate (÷ 1.25) put 3,301 tokens at "about
+    4,105" and refused them against a 4,096-token slot, although the prompt length check had
+    counted them with the worker's tokenizer. The count now decides."""
+    r = httpx.post(gw1.url + "/api/generate", timeout=120, json={
+        "model": "demo", "prompt": "on " * 3300, "raw": True, "stream": False,
+        "options": {"num_predict": 2}})
+    assert r.status_code == 200, r.text
+    assert r.json()["eval_count"] == 2
+    assert 0 < r.json()["prompt_eval_count"] <= 3301
+    over = httpx.post(gw1.url + "/api/generate", timeout=120, json={
+        "model": "demo", "prompt": "on " * 4100, "raw": True, "stream": False})
+    assert over.status_code == 400 and "prompt: 4101 tokens" in over.json()["error"], over.text
+
+
 def test_prompt_that_cannot_fit_is_refused_up_front(gateway_factory):
     """Field case 4: 2 slots of 512: a prompt far beyond 512 tokens → 400 in each API's shape
     before anything reaches a worker (the workers' prompt counters do not move)."""
