@@ -40,9 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--path", default=None)
     d.add_argument("--force", action="store_true", help="write it again even if it exists")
     d.add_argument("--context-length", type=int, default=None, metavar="TOKENS",
-                   help="the model's training context (GGUF context_length; default 4096); "
-                        "writes the file even if it exists. Use with --path for a second "
-                        "model with a long context (the config's 'context' is capped by it)")
+                   help="write a demo model trained for TOKENS of context (GGUF "
+                        "context_length; the built-in one has 4096) to --path, which is "
+                        "required, even if that file exists; a model entry's 'context' is "
+                        "capped by it")
     c = sub.add_parser("check-config", help="validate a config and show the worker plan")
     c.add_argument("-c", "--config", default="gateway.yaml")
     url_help = "gateway URL (default $LLAMA_GATEWAY_URL or http://127.0.0.1:11434)"
@@ -244,8 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         from workers.demo_model import demo_model_path, ensure_demo_model, write_demo_model
         path = Path(args.path) if args.path else demo_model_path()
         if args.context_length is not None:
-            if args.context_length < 16:
-                sys.stderr.write("llama-gateway: --context-length must be at least 16 tokens\n")
+            if not args.path:
+                sys.stderr.write("llama-gateway: --context-length needs --path (the built-in "
+                                 "demo model keeps its 4096 tokens)\n")
+                return 2
+            if not 16 <= args.context_length <= 2**31 - 1:
+                sys.stderr.write("llama-gateway: --context-length must be 16 to 2147483647 "
+                                 "tokens\n")
                 return 2
             path = write_demo_model(path, n_ctx_train=args.context_length)
         else:

@@ -87,5 +87,8 @@ def test_demo_model_with_a_longer_training_context(tmp_path):
                    f"  - {{name: long, path: {gguf}, cpu: 1, slots: 1, context: 16384}}\n")
     r = run("check-config", "-c", str(cfg))
     assert r.returncode == 0 and r.stdout.strip().endswith("slots=1\tcontext/slot=16384"), r
-    bad = run("demo-model", "--path", str(tmp_path / "x.gguf"), "--context-length", "0")
-    assert bad.returncode == 2 and "at least 16" in bad.stderr
+    for value in ("0", "99999999999"):
+        bad = run("demo-model", "--path", str(tmp_path / "x.gguf"), "--context-length", value)
+        assert bad.returncode == 2 and "must be 16 to 2147483647" in bad.stderr, bad.stderr
+    no_path = run("demo-model", "--context-length", "64")
+    assert no_path.returncode == 2 and "needs --path" in no_path.stderr

@@ -96,6 +96,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     if required == "prompt":  # after the ticket: the same slots, and n's own limit still checked
         spread_empty_prompts(body)
     out: web.StreamResponse | None = None
+    started: list[web.StreamResponse] = []  # the client's stream, once its first event is out
     try:
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
             note_lease(request, lease)
@@ -107,8 +108,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 data = await read_all(resp)
                 note_openai_usage(request, data)
                 return web.Response(body=data, content_type="application/json")
-            out = await start_stream(request, "text/event-stream")
-            await _relay_stream(request, resp, out, include_usage, UsageSum(per_prompt))
+            await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt))
+            out = started[0]
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         err = admission_error(e, gw.config.queue.retry_after_s)
         return openai_error(err.status, err.message, err.headers, code=err.code, type=err.type)
@@ -116,6 +117,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         # llama-server answers some malformed bodies with 500 ("Failed to parse messages: [json.
         # exception…]"): the client's fault, so 400 here.
         client_fault = e.status == 500 and ("Failed to parse" in e.message or "json.exception" in e.message)
+        out = started[0] if started else None
         status = 400 if e.kind == "exceed_context_size_error" or client_fault else (
             e.status if 400 <= e.status < 500 or e.status in (502, 503, 504) else 500)
         note_upstream_error(request, e.message, out is not None, e)
@@ -216,7 +218,7 @@ def _sse(obj) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
+async def _relay_stream(request: web.Request, resp, started: list,
                         include_usage: bool, usage: UsageSum) -> None:
     """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
     with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
@@ -227,8 +229,19 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
     (``id``, ``created``, …) of the first. llama-server's ``data: null`` events (it
     starts a several-prompt stream with one) are dropped: OpenAI never sends them and its
     client fails on them. An upstream ``{"error": …}`` event ends the stream (raised as
-    UpstreamError so the caller writes an OpenAI error event)."""
+    UpstreamError so the caller writes an OpenAI error event).
+
+    The client's 200 stream starts (``start_stream``, appended to ``started``) with the first
+    event to send: a failure before it, such as ``first_byte_s`` running out while the worker
+    computes the prompt (its stream has begun: headers and progress events), is still
+    answered with its status and an OpenAI error object."""
     head: dict | None = None  # the first usage event, less its choices, usage and timings
+
+    async def write(data: bytes) -> None:
+        if not started:
+            started.append(await start_stream(request, "text/event-stream"))
+        await started[0].write(data)
+
     async for batch in iter_sse_batches(resp):
         note_first_byte(request)
         parts: list[bytes] = []
@@ -240,7 +253,7 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
             ev = orjson.loads(data)
             if "error" in ev:
                 if parts:
-                    await out.write(b"".join(parts))
+                    await write(b"".join(parts))
                 raise error_event(ev["error"])
             task_usage = ev.pop("usage", None)
             if ev.get("choices"):
@@ -251,11 +264,11 @@ async def _relay_stream(request: web.Request, resp, out: web.StreamResponse,
                 if head is None:
                     head = {k: v for k, v in ev.items() if k not in ("choices", "timings")}
         if parts:  # everything that arrived together goes out in one write
-            await out.write(b"".join(parts))
+            await write(b"".join(parts))
     last = b""
     if include_usage and head is not None:
         last = _sse(head | {"choices": [], "usage": usage.total()})
-    await out.write(last + b"data: [DONE]\n\n")
+    await write(last + b"data: [DONE]\n\n")
 
 
 async def _fold_stream(request: web.Request, resp, fold: OpenAIFold) -> dict:

@@ -291,6 +291,29 @@ def test_disconnect_during_prefill_stops_the_workers_prompt(gw_long, path, strea
     assert r.status_code == 200 and r.json()["eval_count"] == 3
 
 
+def test_first_byte_limit_during_a_long_prefill_is_a_504_on_every_route(gateway_factory,
+                                                                         tmp_path):
+    """``timeouts.first_byte_s`` running out while the worker still computes the prompt (its
+    stream has begun: headers, progress events) is answered with 504 and the API's error
+    object on streamed ``/v1`` and ``/api`` requests alike, not retried (a fresh tester found
+    ``/v1`` streams answering 200 with a lone error event), and the worker stops the prompt."""
+    cfg = base_config(free_port(), timeouts={"first_byte_s": 1})
+    cfg["models"][0].update(slots=1, cpu=1, context=16384, path=str(
+        write_demo_model(tmp_path / "long.gguf", n_ctx_train=16384)))
+    gw = gateway_factory(cfg)
+    w = gw.workers()[0]
+    want = f"worker {w['id']} sent no token within 1 s (it was still computing the prompt)"
+    for path, word in (("/v1/chat/completions", "on "), ("/api/chat", "in ")):
+        r = httpx.post(gw.url + path, timeout=60, json={
+            "model": "demo", "stream": True, "max_tokens": 5, "options": {"num_predict": 5},
+            "messages": [{"role": "user", "content": word * 11000}]})
+        assert r.status_code == 504 and r.headers["content-type"].startswith("application/json")
+        msg = r.json()["error"]["message"] if path.startswith("/v1") else r.json()["error"]
+        assert msg == want, r.text
+        assert wait_until(lambda: not any(s.get("is_processing") for s in gw.slots(w)), 5.0)
+    assert "upstream.retry" not in gw.log_path.read_text()
+
+
 def test_non_streamed_upstream_disconnect_keeps_the_slot_leased_until_the_worker_is_done(gw1):
     """Found by a fresh tester: llama-server does not notice a closed connection on a
     non-streamed request, so a /v1 stream:false request whose client left kept generating
