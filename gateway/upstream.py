@@ -31,6 +31,7 @@ import orjson
 from gateway.admission import Admission
 from gateway.logs import get_logger
 from gateway.scheduling import SlotLease, Ticket
+from gateway.texts import context_overflow
 from gateway.watchdog import StreamWatch, Watchdog
 from gateway.worker_http import (SpareConnections, WorkerConnectionError, WorkerPayloadError,
                                  WorkerResponse, send)
@@ -77,12 +78,20 @@ class UpstreamError(Exception):
 
 
 def parse_error_body(status: int, body: bytes) -> UpstreamError:
-    """Turn a llama-server error body ``{"error":{"code","message","type"}}`` into UpstreamError."""
+    """Turn a llama-server error body ``{"error":{"code","message","type"}}`` into UpstreamError.
+    Its over-long-prompt error (``exceed_context_size_error`` with ``n_prompt_tokens`` and
+    ``n_ctx``, server-common.cpp) gets the gateway's words for that fault
+    (``texts.context_overflow``), as the prompt length check words it: a chat that passed
+    that check (it counts the messages, not the chat template) and that the worker refuses
+    reads the same on every route."""
     try:
         data = orjson.loads(body)
         err = data.get("error", data) if isinstance(data, dict) else data
         if isinstance(err, dict):
-            return UpstreamError(status, str(err.get("message") or err), str(err.get("type") or ""))
+            kind, n, ctx = str(err.get("type") or ""), err.get("n_prompt_tokens"), err.get("n_ctx")
+            if kind == "exceed_context_size_error" and type(n) is int and type(ctx) is int:
+                return UpstreamError(status, context_overflow(n, ctx), kind)
+            return UpstreamError(status, str(err.get("message") or err), kind)
         return UpstreamError(status, str(err))
     except orjson.JSONDecodeError:
         return UpstreamError(status, body.decode("utf-8", "replace")[:500] or f"HTTP {status}")

@@ -8,7 +8,8 @@ import time
 from gateway.admission import Admission
 from gateway.config import parse_config
 from gateway.scheduling import Dispatcher
-from gateway.upstream import Upstream, iter_sse_batches
+from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
+from gateway.upstream import Upstream, iter_sse_batches, parse_error_body
 from tests.test_worker_http import post, serve
 
 
@@ -97,3 +98,21 @@ async def test_sse_reader_passes_progress_events_a_client_asked_for():
         resp = await post("127.0.0.1", port, "/completion", b"{}", {})
         got = [p async for batch in iter_sse_batches(resp) for p in batch]
         assert got == [*PROGRESS_EVENTS, ANSWER] and resp.answered
+
+
+def test_the_workers_context_overflow_error_gets_the_gateways_words_and_numbers():
+    """llama-server's 400 for a prompt over the slot's context (its body, pinned build) reads
+    as the gateway's own prompt length check words it; other errors keep the worker's text."""
+    body = (b'{"error":{"code":400,"message":"request (4100 tokens) exceeds the available context '
+            b'size (4096 tokens), try increasing it","type":"exceed_context_size_error",'
+            b'"n_prompt_tokens":4100,"n_ctx":4096}}')
+    e = parse_error_body(400, body)
+    assert e.kind == "exceed_context_size_error" and e.status == 400
+    assert e.message == (f"{CONTEXT_OVERFLOW_MESSAGE} (prompt: 4100 tokens, context per slot: "
+                         f"4096 tokens)")
+    other = parse_error_body(400, b'{"error":{"code":400,"message":"bad grammar",'
+                                  b'"type":"invalid_request_error"}}')
+    assert (other.message, other.kind) == ("bad grammar", "invalid_request_error")
+    no_numbers = parse_error_body(400, b'{"error":{"message":"request exceeds the available '
+                                       b'context size","type":"exceed_context_size_error"}}')
+    assert no_numbers.message == "request exceeds the available context size"

@@ -286,7 +286,9 @@ def upstream_error_text(e: UpstreamError) -> tuple[str, int]:
     """An upstream failure as (Ollama message, status): an over-long prompt is 400 with Ollama's
     runner text; other worker 4xx keep their status; transport faults 502/503/504; else 500."""
     if e.kind == "exceed_context_size_error" or "exceeds the available context size" in e.message:
-        return CONTEXT_OVERFLOW_MESSAGE, 400
+        # with the numbers when the worker gave them (upstream.parse_error_body)
+        return (e.message if e.message.startswith(CONTEXT_OVERFLOW_MESSAGE)
+                else CONTEXT_OVERFLOW_MESSAGE), 400
     if 400 <= e.status < 500 or e.status in (502, 503, 504):
         return e.message, e.status
     return e.message, 500

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import base_config, free_port, start_gateway
+from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
 from tests.e2e.compat_helpers import worker_metrics
 from workers.demo_model import write_demo_model
 
@@ -397,6 +398,27 @@ def test_a_prompt_that_fits_by_the_workers_count_is_served(gw1):
     over = httpx.post(gw1.url + "/api/generate", timeout=120, json={
         "model": "demo", "prompt": "on " * 4100, "raw": True, "stream": False})
     assert over.status_code == 400 and "prompt: 4101 tokens" in over.json()["error"], over.text
+
+
+def test_a_chat_over_the_context_by_its_template_reads_the_same_on_every_route(gw1):
+    """Found by a fresh tester: the prompt length check counts a chat's messages, not its
+    template, so a chat a few tokens short of the slot's context passes it and the worker
+    refuses it; /api/chat then said Ollama's text without numbers and /v1 llama-server's own
+    ("request (N tokens) exceeds the available context size"). Both now read as the check
+    words it, with the worker's numbers."""
+    msgs = [{"role": "user", "content": "on " * 4092}]
+    want_start = CONTEXT_OVERFLOW_MESSAGE + " (prompt: "
+    r = httpx.post(gw1.url + "/api/chat", timeout=120, json={
+        "model": "demo", "messages": msgs, "stream": False})
+    assert r.status_code == 400 and r.json()["error"].startswith(want_start), r.text
+    assert r.json()["error"].endswith(" tokens, context per slot: 4096 tokens)")
+    n = int(r.json()["error"][len(want_start):].split()[0])
+    assert n > 4096  # the template's tokens put it over: the worker's count
+    for stream in (False, True):
+        v1 = httpx.post(gw1.url + "/v1/chat/completions", timeout=120, json={
+            "model": "demo", "messages": msgs, "stream": stream})
+        assert v1.status_code == 400 and v1.json()["error"]["message"] == r.json()["error"]
+        assert v1.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_prompt_that_cannot_fit_is_refused_up_front(gateway_factory):
