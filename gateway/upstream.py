@@ -275,7 +275,7 @@ class Upstream:
                         resp = await send(host, port, path, payload,
                                           {"Authorization": f"Bearer {ep.api_key}",
                                            "Content-Type": "application/json"},
-                                          spares=self.spares)
+                                          spares=self.spares, progress=progress)
                         await resp.wait_head()
                 except TimeoutError:
                     if time.monotonic() >= deadline - 0.01:
@@ -307,13 +307,10 @@ class Upstream:
                 raise
             # The worker's first answer bytes (a streamed request's first token) end the
             # request's prefill: it leaves the worker's prefill backlog (scheduler cost).
-            resp.progress = progress
-            if progress:
-                resp.on_answer = lease.first_token  # iter_sse_batches: the first real event
-            elif resp.content.total_bytes:
+            if resp.answered:
                 lease.first_token()
             else:
-                resp.content.on_first_data = lease.first_token
+                resp.on_answer = lease.first_token
             watch = StreamWatch(lease.worker.id, ticket.request_id, resp, t_sent, deadline,
                                 downstream)
             self.watchdog.add(watch)

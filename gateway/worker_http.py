@@ -202,28 +202,25 @@ class WorkerResponse:
     ``progress``: True when the request asked llama-server for prompt-progress events
     (``return_progress``), which precede the answer and are not part of it; the SSE reader
     (``gateway.upstream.iter_sse_batches``) then drops them and calls :meth:`note_answer` at
-    the first event that is the answer. ``on_answer``: called once at the answer's first
-    bytes (None: nothing to call)."""
+    the first event that is the answer. Without them the answer begins with the first body
+    bytes. ``answered``: whether it began; ``on_answer``: called once when it begins (None:
+    nothing to call)."""
 
-    def __init__(self, conn: _Conn, status: int | None = None):
+    def __init__(self, conn: _Conn, status: int | None = None, progress: bool = False):
         self._conn = conn
         self.status = status  # None until :meth:`wait_head`
         self.headers = conn.headers
         self.content = conn.body
-        self.progress = False
+        self.progress = progress
         self.on_answer: Callable[[], None] | None = None
-        self._answered = False
-
-    @property
-    def answered(self) -> bool:
-        """True once the answer itself began: its first event (``progress``), else its first
-        body bytes."""
-        return self._answered or (not self.progress and self.content.total_bytes > 0)
+        self.answered = False
+        if not progress:
+            conn.body.on_first_data = self.note_answer
 
     def note_answer(self) -> None:
-        """The answer's first event arrived (called by the SSE reader; idempotent)."""
-        if not self._answered:
-            self._answered = True
+        """The answer began (its first bytes, or the SSE reader's first real event; idempotent)."""
+        if not self.answered:
+            self.answered = True
             if self.on_answer is not None:
                 self.on_answer()
 
@@ -324,11 +321,12 @@ class SpareConnections:
 
 
 async def send(host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
-               connect_timeout_s: float = 5.0, spares: SpareConnections | None = None
-               ) -> WorkerResponse:
+               connect_timeout_s: float = 5.0, spares: SpareConnections | None = None,
+               progress: bool = False) -> WorkerResponse:
     """POST ``body`` to ``http://host:port{path}`` on a new connection (the address's spare when
     ``spares`` has one, which is then replaced in the background) and return at once; the caller
-    awaits ``response.wait_head()`` (and owns ``close()`` from here on).
+    awaits ``response.wait_head()`` (and owns ``close()`` from here on). ``progress``: the body
+    asks for llama-server's prompt-progress events (:class:`WorkerResponse`).
 
     Raises WorkerConnectionError when the worker cannot be reached within
     ``connect_timeout_s`` seconds."""
@@ -352,4 +350,4 @@ async def send(host: str, port: int, path: str, body: bytes, headers: dict[str, 
     transport.write("".join(head).encode("latin-1") + body)
     if spares is not None:
         spares.refill((host, port))
-    return WorkerResponse(conn)
+    return WorkerResponse(conn, progress=progress)

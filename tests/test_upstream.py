@@ -70,8 +70,7 @@ async def test_sse_reader_drops_the_prompt_progress_it_asked_for_and_notes_the_a
 
     server, port, _ = await serve(reply)
     async with server:
-        resp = await post("127.0.0.1", port, "/completion", b"{}", {})
-        resp.progress = True
+        resp = await post("127.0.0.1", port, "/completion", b"{}", {}, progress=True)
         answers = []
         resp.on_answer = lambda: answers.append(resp.content.total_bytes)
         batches = iter_sse_batches(resp)

@@ -74,12 +74,11 @@ def test_prompt_progress_is_not_the_answer_for_the_first_byte_limit():
     loop = asyncio.new_event_loop()
     try:
         wd, stalls, progress = make()
-        long_prefill = StreamWatch("w1", "r1", WorkerResponse(_Conn(loop)), t_sent=0.0,
-                                   deadline=100.0)
-        answering = StreamWatch("w2", "r2", WorkerResponse(_Conn(loop)), t_sent=0.0,
-                                deadline=100.0)
+        long_prefill = StreamWatch("w1", "r1", WorkerResponse(_Conn(loop), progress=True),
+                                   t_sent=0.0, deadline=100.0)
+        answering = StreamWatch("w2", "r2", WorkerResponse(_Conn(loop), progress=True),
+                                t_sent=0.0, deadline=100.0)
         for w in (long_prefill, answering):
-            w.resp.progress = True
             w.t_progress = 0.0
             wd.watches.add(w)
         long_prefill.resp.content.total_bytes = 120  # progress events only

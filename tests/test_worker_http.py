@@ -9,9 +9,9 @@ from gateway.worker_http import (HIGH_WATER_BYTES, SpareConnections, WorkerConne
                                  WorkerPayloadError, send)
 
 
-async def post(host, port, path, body, headers):
+async def post(host, port, path, body, headers, progress=False):
     """send, then the response headers, as gateway.upstream does (closing on failure)."""
-    resp = await send(host, port, path, body, headers)
+    resp = await send(host, port, path, body, headers, progress=progress)
     try:
         await resp.wait_head()
     except BaseException:
