@@ -22,7 +22,7 @@ from aiohttp import web
 
 from gateway import limits
 from gateway.api.common import request_id
-from gateway.api.errors import ApiError, error_response, model_not_found_v1
+from gateway.api.errors import ApiError, error_response, is_openai_path, model_not_found_v1
 from gateway.auth import is_admin_token
 from gateway.logs import get_logger
 from gateway.texts import SHUTTING_DOWN_MESSAGE, header_text
@@ -72,7 +72,9 @@ async def gateway_middleware(request: web.Request, handler):
         msg = {404: f"{request.method} {request.path}: not found",
                405: f"{request.method} not allowed on {request.path}",
                413: "request body too large"}.get(e.status, e.reason)
-        resp = _error(request.path, e.status, msg)
+        # a 405 names the methods the route takes (RFC 9110 §15.5.6: Allow is required)
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        resp = _error(request.path, e.status, msg, allow)
         status = e.status
     except asyncio.CancelledError:
         # The client disconnected (aiohttp's handler cancellation): counted and logged as 499.
@@ -278,7 +280,7 @@ class Guard:
             return
         name = body.get("model") or body.get("name")
         if key is not None and not key.allows_model(entry.name):
-            if request.path.startswith("/v1/"):
+            if is_openai_path(request.path):
                 raise model_not_found_v1(name)
             raise ApiError(403, f"key '{key.cfg.name}' may not use model '{name}'")
 

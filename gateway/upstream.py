@@ -77,13 +77,21 @@ class UpstreamError(Exception):
         self.worker: str | None = None
 
 
+#: Texts of llama-server 500s that are the client's fault: its HTTP handler answers a
+#: ``std::runtime_error`` thrown while reading the request with 500 (server-http.cpp), e.g.
+#: ``Failed to parse messages: [json.exception…]`` for a malformed message list and
+#: ``audio input is not supported - hint: …`` / ``video input …`` for a content part the model
+#: has no projector for (server-common.cpp). The gateway answers them 400.
+CLIENT_FAULT_500 = ("Failed to parse", "json.exception", "input is not supported")
+
+
 def parse_error_body(status: int, body: bytes) -> UpstreamError:
     """Turn a llama-server error body ``{"error":{"code","message","type"}}`` into UpstreamError.
     Its over-long-prompt error (``exceed_context_size_error`` with ``n_prompt_tokens`` and
     ``n_ctx``, server-common.cpp) gets the gateway's words for that fault
     (``texts.context_overflow``), as the prompt length check words it: a chat that passed
     that check (it counts the messages, not the chat template) and that the worker refuses
-    reads the same on every route."""
+    reads the same on every route. A 500 whose text is in :data:`CLIENT_FAULT_500` is 400."""
     try:
         data = orjson.loads(body)
         err = data.get("error", data) if isinstance(data, dict) else data
@@ -91,7 +99,10 @@ def parse_error_body(status: int, body: bytes) -> UpstreamError:
             kind, n, ctx = str(err.get("type") or ""), err.get("n_prompt_tokens"), err.get("n_ctx")
             if kind == "exceed_context_size_error" and type(n) is int and type(ctx) is int:
                 return UpstreamError(status, context_overflow(n, ctx), kind)
-            return UpstreamError(status, str(err.get("message") or err), kind)
+            message = str(err.get("message") or err)
+            if status == 500 and any(t in message for t in CLIENT_FAULT_500):
+                status = 400
+            return UpstreamError(status, message, kind)
         return UpstreamError(status, str(err))
     except orjson.JSONDecodeError:
         return UpstreamError(status, body.decode("utf-8", "replace")[:500] or f"HTTP {status}")

@@ -103,3 +103,24 @@ def test_body_with_invalid_utf8_is_read_as_go_reads_it():
         {"a": "ab\ufffdcd", "b": ["\ufffd"], "c": "\U0001F600"}
     with pytest.raises(orjson.JSONDecodeError):  # NaN is not JSON, surrogate or not
         loads_body(b'{"a": "\\ud800", "b": NaN}')
+
+
+def test_json_nested_past_the_limit_is_an_invalid_body():
+    """orjson parses 1,024 levels but writes 254, and the gateway forwards client values inside
+    its own: past MAX_JSON_DEPTH levels a body is invalid JSON (400 from the handler), whatever
+    kind of nesting and however many brackets sit in strings."""
+    import orjson
+
+    from gateway.api.common import MAX_JSON_DEPTH, JSONTooDeep, json_depth, loads_body
+    assert MAX_JSON_DEPTH == 128
+    assert [json_depth(v) for v in (1, "x", [], {}, [{}], {"a": [1, {"b": []}]})] == [0, 0, 1, 1, 2, 4]
+    at_limit = b'{"a":' + b'[{"b":' * 63 + b'[]' + b'}]' * 63 + b'}'
+    assert json_depth(loads_body(at_limit)) == 128
+    for deep in (b'[' * 129 + b']' * 129, b'{"a":' + b'[{"b":' * 64 + b'[]' + b'}]' * 64 + b'}'):
+        with pytest.raises(JSONTooDeep) as e:
+            loads_body(deep)
+        assert isinstance(e.value, orjson.JSONDecodeError)
+        assert str(e.value) == "nested more than 128 levels deep"
+        assert limits.parse_object(deep) is None  # the guard leaves the words to the handler
+    # brackets inside strings are not nesting; the depth is counted only when there are enough
+    assert loads_body(b'{"p": "' + b'[' * 500 + b'"}') == {"p": "[" * 500}

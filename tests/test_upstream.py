@@ -5,6 +5,8 @@ limits of a config, at start and on reload) and its SSE reader against a small a
 import asyncio
 import time
 
+import orjson
+
 from gateway.admission import Admission
 from gateway.config import parse_config
 from gateway.scheduling import Dispatcher
@@ -115,3 +117,18 @@ def test_the_workers_context_overflow_error_gets_the_gateways_words_and_numbers(
     no_numbers = parse_error_body(400, b'{"error":{"message":"request exceeds the available '
                                        b'context size","type":"exceed_context_size_error"}}')
     assert no_numbers.message == "request exceeds the available context size"
+
+
+def test_worker_500s_that_are_the_clients_fault_are_400():
+    """llama-server answers a runtime_error thrown while reading the request with 500; those
+    of CLIENT_FAULT_500 are the client's (a content part the model cannot take, a malformed
+    message list). Other 500s stay 500."""
+    for msg in ("audio input is not supported - hint: if this is unexpected, you may need to "
+                "provide the mmproj", "video input is not supported - hint: …",
+                "Failed to parse messages: [json.exception.type_error.302] type must be string"):
+        body = orjson.dumps({"error": {"code": 500, "message": msg, "type": "server_error"}})
+        e = parse_error_body(500, body)
+        assert (e.status, e.message) == (400, msg)
+    e = parse_error_body(500, b'{"error":{"code":500,"message":"got exception: out of memory"}}')
+    assert (e.status, e.message) == (500, "got exception: out of memory")
+    assert parse_error_body(501, b'{"error":{"message":"audio input is not supported"}}').status == 501

@@ -21,18 +21,54 @@ log = get_logger("gateway.api")
 STREAM_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 
 
+#: How deep a request body's JSON may nest (objects and arrays). orjson parses up to 1,024
+#: levels but writes at most 254, and the gateway forwards client values (a ``format`` schema,
+#: ``tools``, unknown ``/v1`` fields) inside up to 3 levels of its own: a body nested deeper
+#: than this is a 400, not a failed write to the worker.
+MAX_JSON_DEPTH = 128
+
+
+class JSONTooDeep(orjson.JSONDecodeError):
+    """A body nested deeper than :data:`MAX_JSON_DEPTH`; reads as ``invalid JSON: …``."""
+
+    def __str__(self) -> str:
+        return self.msg
+
+
+def json_depth(value) -> int:
+    """Nesting depth of a parsed JSON value: 0 for a scalar, 1 for a flat object or array."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is None:
+            continue
+        deepest = max(deepest, d)
+        stack.extend((c, d + 1) for c in items if isinstance(c, (dict, list)))
+    return deepest
+
+
 def loads_body(raw: bytes):
     """A request body's JSON value (orjson). Bytes that are not valid UTF-8, and ``\\u``
     escapes of lone UTF-16 surrogates, are read as U+FFFD, as Go's ``encoding/json`` does under
     Ollama (a client that cut a multi-byte character or an emoji's surrogate pair is answered,
-    not refused). Raises ``orjson.JSONDecodeError`` for anything else that is not JSON."""
+    not refused). Raises ``orjson.JSONDecodeError`` for anything else that is not JSON, and
+    :class:`JSONTooDeep` (a subclass) for JSON nested deeper than :data:`MAX_JSON_DEPTH`
+    (counted only when the body has that many brackets and braces at all)."""
+    value = _loads(raw)
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(value) > MAX_JSON_DEPTH:
+        raise JSONTooDeep(f"nested more than {MAX_JSON_DEPTH} levels deep", "", 0)
+    return value
+
+
+def _loads(raw: bytes):
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            return loads_body(raw.decode("utf-8", "replace").encode())
+            return _loads(raw.decode("utf-8", "replace").encode())
         if "surrogate" not in str(e):
             raise
         try:  # the stdlib parser keeps lone surrogates in the strings; Go writes U+FFFD

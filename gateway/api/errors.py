@@ -79,9 +79,14 @@ def openai_error(status: int, message: str, headers: dict | None = None, *,
                         content_type="application/json", headers=headers)
 
 
+def is_openai_path(path: str) -> bool:
+    """Whether ``path`` is in the OpenAI-compatible API (``/v1`` and everything under it)."""
+    return path.startswith("/v1/") or path == "/v1"
+
+
 def error_response(path: str, e: ApiError) -> web.Response:
-    """``e`` in the shape of the API that ``path`` belongs to (``/v1/…`` OpenAI, else Ollama)."""
-    if path.startswith("/v1/"):
+    """``e`` in the shape of the API that ``path`` belongs to (``/v1…`` OpenAI, else Ollama)."""
+    if is_openai_path(path):
         return openai_error(e.status, e.message, e.headers, code=e.code, type=e.type)
     return ollama_error(e.status, e.message, e.headers)
 

@@ -139,12 +139,18 @@ def _messages(body: dict) -> tuple[list[dict], bool]:
             msg["content"] = [{"type": "text", "text": content}] + [
                 {"type": "image_url", "image_url": {"url": f"data:{_image_mime(b)};base64,{b}"}}
                 for b in images]
-        if m.get("tool_calls"):
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(tc, dict) and isinstance(tc.get("function") or {}, dict)
+                for tc in calls)):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list of objects, each with "
+                                f"an object function")
+        if calls:
             msg["tool_calls"] = [
                 {"id": tc.get("id") or f"call_{i}_{j}", "type": "function",
                  "function": {"name": (tc.get("function") or {}).get("name", ""),
                               "arguments": _args_text((tc.get("function") or {}).get("arguments"))}}
-                for j, tc in enumerate(m["tool_calls"]) if isinstance(tc, dict)]
+                for j, tc in enumerate(calls)]
         if m.get("tool_name"):
             msg["name"] = m["tool_name"]
         if m.get("tool_call_id"):
@@ -182,9 +188,16 @@ async def _common_checks(request: web.Request, body: dict, entry: ModelEntry, ki
     return think, lp, top, keep_alive
 
 
-def _done_only(entry: ModelEntry, name: str, keep_alive: float | None, chat: bool) -> web.Response:
-    """Ollama's answer to an empty prompt / empty messages: load (or unload with keep_alive 0)."""
+def _done_only(gw, entry: ModelEntry, name: str, keep_alive: float | None,
+               chat: bool) -> web.Response:
+    """Ollama's answer to an empty prompt / empty messages: load (or unload with keep_alive 0).
+    A load while the model cannot serve (every worker failed or drained, the gateway shutting
+    down: admission's ``Unavailable``) gets the 503 a real request gets, as Ollama answers a
+    load that fails with an error; a full queue does not refuse it (it runs nothing)."""
     reason = "unload" if is_unload(keep_alive) else "load"
+    why = gw.admission.would_refuse(entry.name) if reason == "load" else None
+    if isinstance(why, Unavailable):
+        return _refused(gw, why)
     entry.touch(keep_alive)
     obj = {"model": name, "created_at": now_utc_z()}
     if chat:
@@ -315,7 +328,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         await require(gw, entry, "vision", body["model"])
     name = body["model"]
     if not msgs:
-        return _done_only(entry, name, keep_alive, chat=True)
+        return _done_only(gw, entry, name, keep_alive, chat=True)
     entry.touch(keep_alive)
     up = {"model": entry.name, "messages": msgs, "stream": True,
           "stream_options": {"include_usage": True}, **_sampling(request, body),
@@ -394,7 +407,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         await require(gw, entry, "vision", body["model"])
     name = body["model"]
     if not prompt and not suffix:
-        return _done_only(entry, name, keep_alive, chat=False)
+        return _done_only(gw, entry, name, keep_alive, chat=False)
     entry.touch(keep_alive)
     sampling = _sampling(request, body)
     try:

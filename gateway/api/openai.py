@@ -64,12 +64,25 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
         raise ApiError(400, "stream must be a boolean")
     n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ApiError(400, f"n must be an integer of at least 1, got {orjson.dumps(n).decode()}")
+    if n is not None:
+        _check_int("n", n)
+        if n < 1:
+            raise ApiError(400, f"n must be an integer of at least 1, got {n}")
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (
             isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
         raise ApiError(400, "stop must be a string or a list of strings")
+    # llama-server reads these with a default when the type is wrong (json_value), so a string
+    # response_format or logit_bias was dropped without a word
+    for k, kinds, what in (("response_format", dict, "an object"),
+                           ("logit_bias", (dict, list), "an object")):
+        if body.get(k) is not None and not isinstance(body[k], kinds):
+            raise ApiError(400, f"{k} must be {what}, got {orjson.dumps(body[k]).decode()[:40]}")
+    if required == "messages" and body.get("top_logprobs") is not None:
+        top = body["top_logprobs"]
+        _check_int("top_logprobs", top)
+        if not 0 <= top <= 20:  # Ollama's check: its /v1 goes through /api/chat
+            raise ApiError(400, "top_logprobs must be between 0 and 20")
     stream = body.get("stream") is True
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
@@ -119,11 +132,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         err = admission_error(e, gw.config.queue.retry_after_s)
         return openai_error(err.status, err.message, err.headers, code=err.code, type=err.type)
     except UpstreamError as e:
-        # llama-server answers some malformed bodies with 500 ("Failed to parse messages: [json.
-        # exception…]"): the client's fault, so 400 here.
-        client_fault = e.status == 500 and ("Failed to parse" in e.message or "json.exception" in e.message)
         out = started[0] if started else None
-        status = 400 if e.kind == "exceed_context_size_error" or client_fault else (
+        status = 400 if e.kind == "exceed_context_size_error" else (
             e.status if 400 <= e.status < 500 or e.status in (502, 503, 504) else 500)
         note_upstream_error(request, e.message, out is not None, e)
         if out is None:
@@ -167,8 +177,7 @@ def _bound_max_tokens(gw, body: dict) -> None:
         if v is None:
             del body[k]
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or not INT64_MIN <= v <= INT64_MAX:
-            raise ApiError(400, f"{k} must be an integer, got {orjson.dumps(v).decode()[:40]}")
+        _check_int(k, v)
         budgeted = True
         if cap is not None and (v < 0 or v > cap):
             body[k] = cap
@@ -178,6 +187,18 @@ def _bound_max_tokens(gw, body: dict) -> None:
             body["max_tokens"] = gen.num_predict_default
         elif cap is not None:
             body["max_tokens"] = cap
+
+
+def _check_int(key: str, v) -> None:
+    """Raise ApiError(400) unless ``v`` is a JSON integer that fits 64 bits (llama-server's
+    JSON integers; Go's ``int`` under Ollama). orjson reads an integer literal past 64 bits as a
+    float, so a whole float past that range is called out of range, not "not an integer"."""
+    if isinstance(v, float) and v.is_integer() and not INT64_MIN <= v <= INT64_MAX:
+        raise ApiError(400, f"{key} is out of range for a 64-bit integer")
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"{key} must be an integer, got {orjson.dumps(v).decode()[:40]}")
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise ApiError(400, f"{key} is out of range for a 64-bit integer")
 
 
 def _is_empty_prompt(p) -> bool:

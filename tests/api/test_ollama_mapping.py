@@ -1,6 +1,7 @@
 """Unit tests of the Ollama request/response mapping (no workers needed)."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ from gateway.api.ollama_mapping import (
     parse_think,
     tool_call_out,
 )
-from gateway.inventory import cached_sha256, capabilities, full_name
+from gateway.inventory import Inventory, ModelEntry, cached_sha256, capabilities, full_name
 
 
 def test_every_sampling_option_sent_with_ollama_defaults():
@@ -156,6 +157,14 @@ def test_capabilities_from_template_vocab_and_config():
 
 def test_names_resolve_like_ollama():
     assert full_name("demo") == "demo:latest" and full_name("ns/demo:7b") == "ns/demo:7b"
+    inv = Inventory([ModelEntry("demo:latest", Path("d"), aliases=("ns/other:7b",))])
+    demo = inv.entries[0]
+    # Ollama's default host and namespace (types/model/name.go), any case, and an alias
+    for name in ("demo", "DEMO:latest", "library/demo", "registry.ollama.ai/library/demo",
+                 "registry.ollama.ai/library/demo:latest", "ns/other:7b", "NS/Other:7B"):
+        assert inv.resolve(name) is demo, name
+    for name in ("demo:7b", "registry.ollama.ai/demo", "other/demo", "library/ns/other:7b", "", None):
+        assert inv.resolve(name) is None, name
 
 
 def test_digest_cached_by_path_size_mtime(tmp_path):

@@ -46,9 +46,19 @@ def test_n_predict_cannot_bypass_num_predict_max(gw):
     r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
         "model": "demo", "n_predict": -1, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10
+    # an integer literal past 64 bits (orjson reads it as a float) is out of range, not "not an
+    # integer" (a fresh tester's find); so is 1e30, which JSON cannot tell from it
+    for big in (1e30, 10 ** 30):
+        r = httpx.post(gw.url + "/v1/chat/completions", json={
+            "model": "demo", "max_tokens": big, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["message"] == \
+            "max_tokens is out of range for a 64-bit integer", r.text
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "demo", "prompt": "hi", "n": 10 ** 30})
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "n is out of range for a 64-bit integer", r.text
     r = httpx.post(gw.url + "/v1/chat/completions", json={
-        "model": "demo", "max_tokens": 1e30, "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens must be an integer")
+        "model": "demo", "max_tokens": 2.5, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens must be an integer, got 2.5"
     r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "demo", "messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["message"] == "messages must be a list of message objects"
     # a second key, or a null, must not lift the cap either (found by a fresh tester)
@@ -71,12 +81,101 @@ def test_embedding_batch_larger_than_queue_is_served(gw):
     assert len(r.json()["embeddings"]) == 40
 
 
-@pytest.mark.parametrize("field,value,msg", [("stream", "yes", "stream must be a boolean"),
-                                             ("stop", 5, "stop must be a string or a list of strings")])
+@pytest.mark.parametrize("field,value,msg", [
+    ("stream", "yes", "stream must be a boolean"),
+    ("stop", 5, "stop must be a string or a list of strings"),
+    # llama-server drops these without a word when their type is wrong (a fresh tester's find)
+    ("response_format", "json", 'response_format must be an object, got "json"'),
+    ("logit_bias", "x", 'logit_bias must be an object, got "x"'),
+    ("top_logprobs", 21, "top_logprobs must be between 0 and 20"),
+    ("top_logprobs", 10 ** 30, "top_logprobs is out of range for a 64-bit integer")])
 def test_v1_wrong_types_are_400(gw, field, value, msg):
     r = httpx.post(gw.url + "/v1/chat/completions", json={
-        "model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value})
-    assert r.status_code == 400 and r.json()["error"]["message"] == msg
+        "model": "demo", "max_tokens": 2, "logprobs": True,
+        "messages": [{"role": "user", "content": "hi"}], field: value})
+    assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
+
+
+def test_v1_top_logprobs_in_range_and_logit_bias_as_a_list_still_run(gw):
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "max_tokens": 2, "logprobs": True, "top_logprobs": 20,
+        "logit_bias": [[5, -1.0]], "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+
+
+def _nested(depth: int):
+    v: list = []
+    for _ in range(depth - 1):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize("path,field", [("/v1/chat/completions", "metadata"),
+                                        ("/v1/completions", "x"), ("/api/chat", "format")])
+def test_json_nested_past_the_limit_is_400_and_within_it_runs(gw, path, field):
+    """JSON nested 300 levels deep in a field the gateway forwards was a 500 with a traceback
+    (orjson writes at most 254 levels; a fresh tester's find): now a 400 in the route's shape
+    past 128 levels, and a body of exactly 128 levels (the field's value 127 deep) still runs."""
+    body = {"model": "demo", "max_tokens": 2, "options": {"num_predict": 2}, "stream": False}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "hi"}]})
+    for depth in (300, 129):
+        r = httpx.post(gw.url + path, json={**body, field: _nested(depth)}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400, r.text
+        msg = err["message"] if path.startswith("/v1") else err
+        assert msg == "invalid JSON: nested more than 128 levels deep", r.text
+    if path.startswith("/v1"):  # a format nested this deep is no schema (and 400 for that)
+        r = httpx.post(gw.url + path, json={**body, field: _nested(127)}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_audio_part_on_a_text_model_is_400(gw):
+    """llama-server answers an ``input_audio`` part on a model without an audio projector with
+    500 (a runtime_error); the client's fault, so 400 (a fresh tester's find), as an image is."""
+    for stream in (False, True):
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+            "model": "demo", "max_tokens": 2, "stream": stream, "messages": [{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": "aGk=", "format": "wav"}}]}]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("audio input is not supported")
+
+
+def test_malformed_tool_calls_are_400(gw):
+    """``tool_calls`` that is not a list of objects was dropped, leaving an empty assistant turn
+    and a 200 with nothing generated (a fresh tester's find)."""
+    for calls in ("x", [None], [{"function": "f"}]):
+        r = httpx.post(gw.url + "/api/chat", timeout=30, json={
+            "model": "demo", "stream": False, "options": {"num_predict": 2},
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "", "tool_calls": calls}]})
+        assert r.status_code == 400, (calls, r.text)
+        assert r.json()["error"] == ("messages[1].tool_calls must be a list of objects, each with "
+                                     "an object function")
+
+
+def test_ollama_long_model_names_reach_the_model(gw):
+    """Ollama reads ``demo`` as ``registry.ollama.ai/library/demo:latest``; clients that send
+    the long form got 404 (a fresh tester's find)."""
+    for name in ("library/demo", "registry.ollama.ai/library/demo:latest", "Library/Demo"):
+        r = httpx.post(gw.url + "/api/chat", timeout=60, json={
+            "model": name, "stream": False, "options": {"num_predict": 2},
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["model"] == name, (name, r.text)
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, (name, r.text)
+    r = httpx.post(gw.url + "/api/show", json={"model": "registry.ollama.ai/demo"}, timeout=30)
+    assert r.status_code == 404  # a namespace "registry.ollama.ai", not the default host
+
+
+def test_405_names_the_allowed_methods_and_v1_root_is_openai_shaped(gw):
+    for path in ("/api/chat", "/v1/chat/completions"):
+        r = httpx.get(gw.url + path, timeout=10)
+        assert r.status_code == 405 and "POST" in r.headers["Allow"].split(","), (path, r.headers)
+    r = httpx.get(gw.url + "/v1", timeout=10)
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 @pytest.mark.parametrize("path,body", [

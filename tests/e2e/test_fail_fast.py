@@ -102,6 +102,14 @@ def test_failed_workers_refuse_queued_and_new_requests_at_once_until_an_admin_re
     r = httpx.post(gw.url + "/v1/completions", json={"model": "demo", "prompt": "hi"}, timeout=10)
     assert r.status_code == 503 and FAILED_TEXT in r.json()["error"]["message"]
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    # A load request (empty prompt / no messages, what clients send to pre-load a model) is
+    # refused the same way, not answered "load" (a fresh tester's find); an unload still is.
+    for path, body in (("/api/generate", {"prompt": ""}), ("/api/chat", {"messages": []})):
+        r = httpx.post(gw.url + path, json={"model": "demo", **body}, timeout=10)
+        assert r.status_code == 503 and FAILED_TEXT in r.json()["error"], (path, r.text)
+        assert 1 <= int(r.headers["Retry-After"]) <= 300
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "keep_alive": 0}, timeout=10)
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
 
     # The worker binary is fixed; an admin restart brings the worker back and requests run.
     heal.touch()
