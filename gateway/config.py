@@ -319,10 +319,21 @@ _NAME_RE = re.compile(rf"{_NAME_SEG}(?:/{_NAME_SEG})*(?::[A-Za-z0-9_][A-Za-z0-9.
 _NAME_HINT = 'a model name like "demo", "demo:latest" or "ns/demo:7b"'
 
 
+#: The host and namespace Ollama puts before a short name (types/model/name.go: ``demo`` is
+#: ``registry.ollama.ai/library/demo:latest``), so clients that send the long form reach it.
+_DEFAULT_PREFIXES = ("registry.ollama.ai/library/", "library/")
+
+
 def normalize_model_name(name: str) -> str:
     """Canonical lookup key of an Ollama model name: ``":latest"`` appended when untagged,
-    lower-cased ("Demo" -> "demo:latest"). Names are compared by this key."""
-    return _full_name(name).lower()
+    lower-cased (Ollama's ``strings.EqualFold``), without Ollama's default host and namespace
+    ("Demo", "library/demo" and "registry.ollama.ai/library/demo:latest" -> "demo:latest").
+    Names are compared by this key: config's duplicate check, API keys' ``models``, requests."""
+    key = _full_name(name.strip()).lower()
+    for prefix in _DEFAULT_PREFIXES:
+        if key.startswith(prefix) and "/" not in key[len(prefix):]:
+            return key[len(prefix):]
+    return key
 
 
 def _full_name(name: str) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from gateway.config import normalize_model_name
 from gateway.logs import get_logger
 
 log = get_logger("gateway.inventory")
@@ -270,28 +271,13 @@ class Inventory:
         self._by_name: dict[str, ModelEntry] = {}
         for e in entries:
             for n in (e.name, *e.aliases):
-                self._by_name[_key(n)] = e
+                self._by_name[normalize_model_name(n)] = e
 
     def resolve(self, name: str | None) -> ModelEntry | None:
-        """The entry ``name`` means (see :func:`_key`), or None."""
+        """The entry ``name`` means (``config.normalize_model_name``), or None."""
         if not name or not isinstance(name, str):
             return None
-        return self._by_name.get(_key(name))
-
-
-#: The host and namespace Ollama puts before a short name (types/model/name.go: ``demo`` is
-#: ``registry.ollama.ai/library/demo:latest``), so clients that send the long form reach it.
-_DEFAULT_PREFIXES = ("registry.ollama.ai/library/", "library/")
-
-
-def _key(name: str) -> str:
-    """The lookup key of a model name: with the ``:latest`` tag when it has none, lower-case
-    (Ollama's ``strings.EqualFold``), without Ollama's default host and namespace."""
-    key = full_name(name).lower()
-    for prefix in _DEFAULT_PREFIXES:
-        if key.startswith(prefix) and "/" not in key[len(prefix):]:
-            return key[len(prefix):]
-    return key
+        return self._by_name.get(normalize_model_name(name))
 
 
 def rfc3339(dt: datetime) -> str:

@@ -216,6 +216,12 @@ def test_names_and_duplicates():
     assert errors_of(data) == [
         'models[1].name: duplicate model name "Demo:latest" (already used by models[0].name)'
     ]
+    # Ollama's default host and namespace name the same model (a request for either reaches it)
+    data = {"models": [{"name": "demo", "path": "builtin:demo"},
+                       {"name": "other", "path": "builtin:demo",
+                        "aliases": ["registry.ollama.ai/library/demo"]}]}
+    assert errors_of(data) == ['models[1].aliases[0]: duplicate model name '
+                               '"registry.ollama.ai/library/demo:latest" (already used by models[0].name)']
     data = {
         "models": [
             {"name": "demo", "path": "builtin:demo", "aliases": ["tiny"]},
