@@ -130,7 +130,8 @@ class Gateway:
         return paths, entries
 
     def diff_with(self, new: GatewayConfig, plans: list[WorkerPlan]) -> PlanDiff:
-        diff = diff_plans(self.plans, plans, self.config, new)
+        diff = diff_plans(self.plans, plans, self.config, new,
+                          self.fleet.launched if self.fleet else None)
         self.plans = plans
         return diff
 
@@ -257,22 +258,21 @@ async def serve(config: GatewayConfig, config_path: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, gw.stopping.set)
-    reloads: set[asyncio.Task] = set()
-
     def on_hup() -> None:
         log.info("gateway.sighup")
-        t = loop.create_task(gw.reloader.reload())
-        reloads.add(t)
-        t.add_done_callback(reloads.discard)
+        gw.reloader.spawn()
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
         await gw.start()
         await gw.stopping.wait()
-        loop.remove_signal_handler(signal.SIGHUP)
+        # No reload once the stop began; the signal must still be caught: its default action
+        # ends the process at once (exit 129, streams cut, no drain; a fresh tester's find).
+        loop.add_signal_handler(signal.SIGHUP, lambda: log.info("gateway.sighup_ignored",
+                                                                reason="shutting down"))
+        gw.reloader.cancel_all()
         await graceful_stop(gw)
     finally:
-        for t in reloads:
-            t.cancel()
+        gw.reloader.cancel_all()
         await gw.stop()
     return 0

@@ -124,6 +124,18 @@ def _admin(args) -> int:
     return 0
 
 
+def _fleet_sizes(text: str) -> tuple[int, ...]:
+    """``--gpus`` "4,8" → (4, 8). Raises ValueError unless each is a whole number 1..1024."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or not all(1 <= n <= 1024 for n in sizes):
+        raise ValueError(f"--gpus must be comma-separated whole numbers of GPUs from 1 to 1024, "
+                         f"e.g. 4,8; got {text!r}")
+    return sizes
+
+
 def _check_files(cfg) -> tuple[list[str], dict[str, int]]:
     """What ``serve`` would refuse: an unusable llama-server binary (no build is started here)
     or a model path that is not a readable GGUF. Returns key-path error lines, and each model's
@@ -225,14 +237,19 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{path}\n")
         return 0
     if verb == "simulate":
-        from gateway.simulator.report import markdown, markdown_sweep, plot, run_all, run_sweep
+        from gateway.simulator.report import (MIN_DURATION_S, markdown, markdown_sweep, plot,
+                                              run_all, run_sweep)
         from gateway.simulator.worker import resolve_profile
         try:
             profile = resolve_profile(args.profile)
+            gpus = _fleet_sizes(args.gpus)
+            if not args.duration >= MIN_DURATION_S:  # NaN too
+                raise ValueError(f"--duration must be at least {MIN_DURATION_S:g} simulated "
+                                 f"seconds (runs are measured after up to 20 s of warm-up), "
+                                 f"got {args.duration:g}")
         except ValueError as e:
             sys.stderr.write(f"llama-gateway simulate: {e}\n")
             return 2
-        gpus = tuple(int(x) for x in args.gpus.split(","))
         rows = run_all(gpus, args.duration, profile)
         sweep = run_sweep(gpus, args.duration, profile)
         sys.stdout.write(markdown(rows) + markdown_sweep(sweep))
@@ -253,9 +270,15 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.write("llama-gateway: --context-length must be 16 to 2147483647 "
                                  "tokens\n")
                 return 2
-            path = write_demo_model(path, n_ctx_train=args.context_length)
-        else:
-            path = write_demo_model(path) if args.force else ensure_demo_model(path)
+        try:
+            if args.context_length is not None:
+                path = write_demo_model(path, n_ctx_train=args.context_length)
+            else:
+                path = write_demo_model(path) if args.force else ensure_demo_model(path)
+        except OSError as e:  # a folder that does not exist or cannot be written
+            sys.stderr.write(f"llama-gateway demo-model: cannot write {path}: "
+                             f"{e.strerror or e}\n")
+            return 1
         sys.stdout.write(f"{path}\n")
         return 0
     return 2

@@ -1171,7 +1171,10 @@ class PlanDiff:
         return bool(self.added or self.removed or self.changed)
 
 
-def _fingerprint(plan: WorkerPlan, cfg: GatewayConfig | None) -> tuple:
+def fingerprint(plan: WorkerPlan, cfg: GatewayConfig | None) -> tuple:
+    """What a worker of ``plan`` runs under ``cfg``, compared by :func:`diff_plans`: the plan
+    (model, GPUs, slots, context), the model's path/args/embeddings and
+    ``llama_server.binary/backend/extra_args`` (``threads`` for CPU workers)."""
     m = cfg.find_model(plan.model) if cfg is not None else None
     ls = cfg.llama_server if cfg is not None else None
     model_part = (m.path, tuple(m.args), m.embeddings) if m is not None else None
@@ -1188,15 +1191,17 @@ def diff_plans(
     new: list[WorkerPlan],
     old_cfg: GatewayConfig | None,
     new_cfg: GatewayConfig | None,
+    running: dict[str, tuple] | None = None,
 ) -> PlanDiff:
     """Compare worker plans by id (for hot reload).
 
-    A worker present in both is ``changed`` when its settings fingerprint differs: the plan
-    itself (model, GPUs, slots, context), the model's path/args/embeddings, and
-    ``llama_server.binary/backend/extra_args`` (and ``threads`` for CPU workers).
-    ``changed``/``unchanged``/``added`` hold the new plans in ``new`` order; ``removed`` holds
-    old plans in ``old`` order.
+    A worker present in both is ``changed`` when its settings :func:`fingerprint` differs;
+    ``running`` (worker id → fingerprint) gives what a worker's process really runs where it
+    differs from ``old`` under ``old_cfg`` (a reload that put a worker back on its previous
+    settings, gateway/reload.py). ``changed``/``unchanged``/``added`` hold the new plans in
+    ``new`` order; ``removed`` holds old plans in ``old`` order.
     """
+    running = running or {}
     old_by_id = {p.id: p for p in old}
     new_ids = {p.id for p in new}
     diff = PlanDiff()
@@ -1204,7 +1209,7 @@ def diff_plans(
         prev = old_by_id.get(p.id)
         if prev is None:
             diff.added.append(p)
-        elif _fingerprint(prev, old_cfg) != _fingerprint(p, new_cfg):
+        elif running.get(p.id, fingerprint(prev, old_cfg)) != fingerprint(p, new_cfg):
             diff.changed.append(p)
         else:
             diff.unchanged.append(p)

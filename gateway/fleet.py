@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from gateway.admission import Admission
-from gateway.config import GatewayConfig, WorkerPlan
+from gateway.config import GatewayConfig, WorkerPlan, fingerprint
 from gateway.logs import get_logger
 from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
 from gateway.scheduling import make_scorer
@@ -91,6 +91,8 @@ class Fleet:
         self.state_dir = state_dir
         self.supervisors: dict[str, WorkerSupervisor] = {}
         self.plans: dict[str, WorkerPlan] = {}
+        #: worker id -> config.fingerprint of what its process was started with (reload's diff)
+        self.launched: dict[str, tuple] = {}
         self.upstream = None  # set by the gateway: streams of a worker that goes down are ended
         self.pollers: dict[str, WorkerPoller] = {}
         self.bytes_per_token: dict[str, float] = {}
@@ -151,17 +153,25 @@ class Fleet:
         for plan in plans:
             self._add(plan, threads)
 
-    def _add(self, plan: WorkerPlan, threads: int | None) -> WorkerSupervisor:
+    def _add(self, plan: WorkerPlan, threads: int | None,
+             launch: tuple[LaunchSpec, tuple] | None = None) -> WorkerSupervisor:
+        """Register a worker of ``plan`` under the current config, or, with ``launch``, with
+        that (spec, fingerprint) of an earlier process (a reload's rollback)."""
         ls = self.config.llama_server
-        mcfg = next(m for m in self.config.models if m.full_name == plan.model)
-        args = list(ls.extra_args) + _model_args(mcfg)
-        spec = LaunchSpec(worker_id=plan.id, binary=self.binary,
-                          model_path=self.model_paths[plan.model], alias=plan.model,
-                          gpus=plan.gpus, slots=plan.slots, context_per_slot=plan.context,
-                          threads=threads if plan.is_cpu else None,
-                          embeddings=mcfg.embeddings, extra_args=args,
-                          log_verbosity=None if self.config.log.level == "debug"
-                          else QUIET_LOG_VERBOSITY)
+        if launch is None:
+            mcfg = next(m for m in self.config.models if m.full_name == plan.model)
+            args = list(ls.extra_args) + _model_args(mcfg)
+            spec = LaunchSpec(worker_id=plan.id, binary=self.binary,
+                              model_path=self.model_paths[plan.model], alias=plan.model,
+                              gpus=plan.gpus, slots=plan.slots, context_per_slot=plan.context,
+                              threads=threads if plan.is_cpu else None,
+                              embeddings=mcfg.embeddings, extra_args=args,
+                              log_verbosity=None if self.config.log.level == "debug"
+                              else QUIET_LOG_VERBOSITY)
+            self.launched[plan.id] = fingerprint(plan, self.config)
+        else:
+            spec, self.launched[plan.id] = launch
+            args = list(spec.extra_args)
         sup = WorkerSupervisor(spec, on_ready=self._on_ready, on_down=self._on_down,
                                on_state=self._on_state, on_check=self._on_check,
                                state_dir=self.state_dir,
@@ -246,15 +256,18 @@ class Fleet:
         # Forgotten only once stopped, so listings never lose a worker that is restarting.
         self.supervisors.pop(worker_id, None)
         self.plans.pop(worker_id, None)
+        self.launched.pop(worker_id, None)
         self.slot_watches.pop(worker_id, None)
         self.admission.dispatcher.remove_worker(worker_id)
         self._apply_speeds(self.speeds.forget(worker_id))
         log.info(event, worker=worker_id)
 
-    def add_worker(self, plan: WorkerPlan, event: str = "worker.added") -> WorkerSupervisor:
+    def add_worker(self, plan: WorkerPlan, event: str = "worker.added",
+                   launch: tuple[LaunchSpec, tuple] | None = None) -> WorkerSupervisor:
         """Register and start a worker for ``plan`` (not in rotation until ready); logs
-        ``event`` (a restart's start logs ``worker.restart_started``)."""
-        sup = self._add(plan, self._threads(list(self.plans.values()) + [plan]))
+        ``event`` (a restart's start logs ``worker.restart_started``). ``launch``: see
+        ``_add``."""
+        sup = self._add(plan, self._threads(list(self.plans.values()) + [plan]), launch)
         sup.start()
         if self._session is not None:
             self.pollers[plan.id].start(self._session)
@@ -263,10 +276,12 @@ class Fleet:
 
     async def restart_worker(self, worker_id: str, drain_s: float,
                              plan: WorkerPlan | None = None,
-                             ready_timeout_s: float | None = None) -> WorkerSupervisor:
+                             ready_timeout_s: float | None = None,
+                             launch: tuple[LaunchSpec, tuple] | None = None) -> WorkerSupervisor:
         """Drain ``worker_id`` (new requests go to other workers or wait in the queue), stop
-        it, and start it again with ``plan`` (default: the same plan); returns the new
-        supervisor.
+        it, and start it again with ``plan`` (default: the same plan; ``launch``: the launch
+        spec and fingerprint of an earlier process instead of the current config's); returns
+        the new supervisor.
 
         The restart runs as a task of its own: a caller that is cancelled (an admin client
         that left while the worker drained; aiohttp cancels its handler) does not stop it
@@ -290,7 +305,7 @@ class Fleet:
         if ready_timeout_s is None:
             ready_timeout_s = self.config.llama_server.startup_timeout_s
         task = asyncio.get_running_loop().create_task(
-            self._restart(worker_id, drain_s, plan, ready_timeout_s))
+            self._restart(worker_id, drain_s, plan, ready_timeout_s, launch))
         self._restarting[worker_id] = task
 
         def done(t: asyncio.Task) -> None:
@@ -300,12 +315,15 @@ class Fleet:
         return await asyncio.shield(task)
 
     async def _restart(self, worker_id: str, drain_s: float, plan: WorkerPlan | None,
-                       ready_timeout_s: float) -> WorkerSupervisor:
+                       ready_timeout_s: float,
+                       launch: tuple[LaunchSpec, tuple] | None = None) -> WorkerSupervisor:
         plan = plan or self.plans[worker_id]
+        if launch is None and plan is self.plans.get(worker_id):  # the same restart again:
+            launch = self.supervisors[worker_id].spec, self.launched[worker_id]  # same command
         order = list(self.supervisors)
         old = self.supervisors[worker_id]
         await self.remove_worker(worker_id, drain_s, "worker.restart_stopped")
-        sup = self.add_worker(plan, "worker.restart_started")
+        sup = self.add_worker(plan, "worker.restart_started", launch)
         if worker_id in self.held:  # the operator's drain outlives the restart: not in
             self.set_draining(worker_id, True, held=True)  # rotation while it loads or once ready
         sup.restarts = old.restarts + 1

@@ -11,7 +11,8 @@ Then apply only the difference (:func:`gateway.config.diff_plans`):
 * ``changed`` workers restart one at a time: drain (no new leases; running requests finish,
   up to ``shutdown.drain_s``), stop, start with the new plan (e.g. a new ``-np`` after a slot
   change), wait until ready, then the next one. Meanwhile requests go to the model's other
-  workers or wait in the queue, so none is dropped;
+  workers or wait in the queue, so none is dropped. One that does not become ready stops the
+  roll-out and runs its previous settings again (``Reloader._roll_out``);
 * ``removed`` workers drain and stop.
 
 ``llama_server`` supervision settings (startup timeout, restart backoff, stop grace, health
@@ -89,7 +90,10 @@ def keep_restart_only(old: GatewayConfig, new: GatewayConfig) -> tuple[GatewayCo
 
 @dataclass
 class ReloadResult:
-    """What a reload did. ``ok`` False: nothing changed and ``errors`` say why."""
+    """What a reload did. ``ok`` False: ``errors`` say why; with ``rolled_back`` empty the file
+    was rejected and nothing changed, else those workers did not start with their new settings
+    and run their previous ones again (``Reloader._roll_out``) while the rest of the file
+    applies. ``changed``: workers restarted with new settings."""
 
     ok: bool
     errors: list[str] = field(default_factory=list)
@@ -98,6 +102,7 @@ class ReloadResult:
     removed: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    rolled_back: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -110,6 +115,21 @@ class Reloader:
         self.gw = gw
         self.path = path
         self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self) -> asyncio.Task:
+        """Run :meth:`reload` as a task of its own (SIGHUP; the admin API, whose client may
+        leave mid-reload), kept until it ends or :meth:`cancel_all`."""
+        t = asyncio.get_running_loop().create_task(self.reload())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def cancel_all(self) -> None:
+        """The gateway stops: running reloads start no further worker (a restart already
+        under way is the fleet's to cancel)."""
+        for t in list(self._tasks):
+            t.cancel()
 
     async def reload(self) -> ReloadResult:
         async with self._lock:
@@ -119,7 +139,8 @@ class Reloader:
                 res = await self._reload()
             finally:
                 gw.notifier.ready(gw.fleet_status())
-            gw.metrics.reloads.labels("ok" if res.ok else "rejected").inc()
+            gw.metrics.reloads.labels("ok" if res.ok else "rolled_back" if res.rolled_back
+                                      else "rejected").inc()
             return res
 
     async def _reload(self) -> ReloadResult:
@@ -153,14 +174,8 @@ class Reloader:
         fleet = gw.fleet
         for plan in diff.added:
             fleet.add_worker(plan)
-        for plan in diff.changed:  # one at a time, each drained first
-            log.info("worker.reload_restart", worker=plan.id, slots=plan.slots,
-                     context=plan.context)
-            sup = await fleet.restart_worker(plan.id, drain_s, plan,
-                                             new.llama_server.startup_timeout_s)
-            if not sup.ready:
-                log.warning("worker.reload_not_ready", worker=plan.id, state=sup.state,
-                            detail=sup.detail)
+        res.changed = await self._roll_out(diff.changed, drain_s,
+                                           new.llama_server.startup_timeout_s, res)
         for plan in diff.removed:  # no new leases; a model left without workers is refused
             gw.admission.dispatcher.retire(plan.id)
         gw.admission.refuse_queued()  # its queued requests now, not after the drain and stop
@@ -168,5 +183,42 @@ class Reloader:
             await fleet.remove_worker(plan.id, drain_s)
             fleet.held.discard(plan.id)  # an operator's drain ends with the worker
         log.info("config.reloaded", path=self.path, added=res.added, changed=res.changed,
-                 removed=res.removed, unchanged=len(res.unchanged))
+                 removed=res.removed, unchanged=len(res.unchanged), rolled_back=res.rolled_back)
         return res
+
+    async def _roll_out(self, changed: list, drain_s: float, ready_timeout_s: float,
+                        res: ReloadResult) -> list[str]:
+        """Restart the ``changed`` workers with their new plans one at a time, each drained
+        first; returns the ids restarted that way. The first that does not become ready
+        (``failed`` in a crash loop, or not ready within ``ready_timeout_s``: a new argument
+        llama-server refuses, a model that no longer loads) stops the roll-out: it is started
+        again as it ran before (its previous plan and command line), the ones after it are
+        not restarted, and ``res`` says so (``ok`` false, ``errors``, ``rolled_back``). So a
+        reload that breaks workers takes down at most one, for one start, not the model."""
+        fleet, done = self.gw.fleet, []
+        for i, plan in enumerate(changed):
+            log.info("worker.reload_restart", worker=plan.id, slots=plan.slots,
+                     context=plan.context)
+            before = fleet.plans[plan.id], (fleet.supervisors[plan.id].spec,
+                                            fleet.launched[plan.id])
+            sup = await fleet.restart_worker(plan.id, drain_s, plan, ready_timeout_s)
+            if sup.ready:
+                done.append(plan.id)
+                continue
+            # its next automatic try is moot: it is rolled back now
+            detail = sup.detail.partition("; next try in")[0]
+            why = f"{sup.state}: {detail}" if detail else sup.state
+            rest = [p.id for p in changed[i + 1:]]
+            log.error("worker.reload_not_ready", worker=plan.id, state=sup.state,
+                      detail=sup.detail, not_restarted=rest)
+            await fleet.restart_worker(plan.id, drain_s, before[0], ready_timeout_s,
+                                       launch=before[1])
+            res.ok = False
+            res.rolled_back = [plan.id]
+            res.errors.append(
+                f"worker {plan.id} did not become ready with its new settings ({why}); it was "
+                f"started again with its previous settings"
+                + (f", and {', '.join(rest)} kept theirs" if rest else "")
+                + "; the rest of the file is in effect")
+            break
+        return done

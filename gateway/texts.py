@@ -58,6 +58,13 @@ def shutting_down_queued() -> str:
             f"slot became free for this request")
 
 
+def shutting_down_running() -> str:
+    """A running request cut when the gateway stopped its workers at the end of its shutdown
+    drain time (``shutdown.drain_s``)."""
+    return (f"{SHUTTING_DOWN_MESSAGE}: the gateway is shutting down and stopped its workers "
+            f"before this answer was complete")
+
+
 def no_workers(model: str) -> str:
     """A request for a configured ``model`` whose config plans no worker on this machine."""
     return (f"model '{model}' has no worker on this machine: its config plans none (gpus: auto "

@@ -31,7 +31,7 @@ import orjson
 from gateway.admission import Admission
 from gateway.logs import get_logger
 from gateway.scheduling import SlotLease, Ticket
-from gateway.texts import context_overflow
+from gateway.texts import context_overflow, shutting_down_running
 from gateway.watchdog import StreamWatch, Watchdog
 from gateway.worker_http import (SpareConnections, WorkerConnectionError, WorkerPayloadError,
                                  WorkerResponse, send)
@@ -327,6 +327,12 @@ class Upstream:
             self.watchdog.add(watch)
             try:
                 yield lease, resp
+            except UpstreamError as e:
+                if e.kind == "stream_broken" and self.admission.shutting_down:
+                    # the drain ran out and the gateway stopped the worker: say so, not that
+                    # the worker failed (a fresh tester's find)
+                    e.status, e.message, e.kind = 503, shutting_down_running(), "shutdown"
+                raise
             finally:
                 self.watchdog.discard(watch)
                 self._give_back(ticket.request_id, lease, resp, deadline,

@@ -1,6 +1,7 @@
 """gateway/cli.py: files the config names but the gateway cannot use are refused with a
 key-path message and exit status 2, by ``check-config`` and by ``serve`` alike (no traceback)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,30 @@ def test_simulate_refuses_an_unknown_profile():
     r = run("simulate", "--gpus", "1", "--duration", "1", "--profile", "no-such-gpu")
     assert r.returncode == 2
     assert "unknown profile 'no-such-gpu'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("--gpus", "0"), "--gpus must be comma-separated whole numbers of GPUs from 1 to 1024, "
+                      "e.g. 4,8; got '0'"),
+    (("--gpus", "-1"), "got '-1'"), (("--gpus", "abc"), "got 'abc'"), (("--gpus", "4,"), "got '4,'"),
+    (("--gpus", "2", "--duration", "20"), "--duration must be at least 25 simulated seconds "
+                                          "(runs are measured after up to 20 s of warm-up), got 20"),
+    (("--duration", "nan"), "got nan")])
+def test_simulate_refuses_bad_fleet_sizes_and_durations(args, msg):
+    """Each was a traceback (NoWorkers, ValueError, ZeroDivisionError; a fresh tester's find)."""
+    r = run("simulate", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("llama-gateway simulate: ") and msg in r.stderr, r.stderr
+
+
+def test_demo_model_to_a_path_it_cannot_write_is_one_line(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    target = "/proc/x.gguf" if os.geteuid() == 0 else str(ro / "x.gguf")  # root writes anywhere else
+    r = run("demo-model", "--path", target)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"llama-gateway demo-model: cannot write {target}: "), r.stderr
 
 
 def test_check_config_prints_the_per_slot_context_the_model_allows(tmp_path):

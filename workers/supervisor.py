@@ -108,6 +108,7 @@ class WorkerSupervisor:
         self._stopping = False
         self._ready_evt = asyncio.Event()
         self._stopped_evt = asyncio.Event()
+        self._failed_evt = asyncio.Event()  # set while in the crash-loop ``failed`` state
         self.log = get_logger("workers.supervisor", worker=spec.worker_id, gpu=spec.gpu_label)
 
     @property
@@ -126,13 +127,17 @@ class WorkerSupervisor:
     async def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: no bound) for ``ready``; True once ready.
         False at the timeout, and at once when the supervisor is (or gets) stopped: a worker
-        restarted or removed meanwhile never becomes ready, and its waiter must not hang."""
+        restarted or removed meanwhile never becomes ready, and its waiter must not hang.
+        False at once too when the worker is (or gets) ``failed`` (a crash loop): it is not
+        started again for ``failed_retry_s``, so an admin restart or a reload answers then
+        rather than at the timeout (a fresh tester's admin restart waited 180 s)."""
         if self._ready_evt.is_set():
             return True
-        if self._stopped_evt.is_set():
+        if self._stopped_evt.is_set() or self._failed_evt.is_set():
             return False
         waits = [asyncio.ensure_future(self._ready_evt.wait()),
-                 asyncio.ensure_future(self._stopped_evt.wait())]
+                 asyncio.ensure_future(self._stopped_evt.wait()),
+                 asyncio.ensure_future(self._failed_evt.wait())]
         try:
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -218,7 +223,9 @@ class WorkerSupervisor:
                                     retry_at=time.monotonic() + self.failed_retry_s)
                     self.log.error("worker.crash_loop", restarts=n, last_reason=reason,
                                    retry_in_s=self.failed_retry_s)
+                    self._failed_evt.set()
                     await self._sleep(self.failed_retry_s)
+                    self._failed_evt.clear()
                     backoff = self.backoff_max_s
                     continue
                 self._set_state("backoff", reason)

@@ -39,7 +39,11 @@ application/json.
   its startup timeout passed: ``{"worker", "state", "pid", "detail", "draining"}`` (an
   operator's drain outlives the restart); 404 when a reload removed the worker meanwhile.
 * ``POST /gateway/api/admin/reload``: reload the config file (gateway/reload.py);
-  200 with what changed, or 400 ``{"error", "errors": [...]}`` when the file is invalid.
+  200 with what changed, or 400 ``{"error", "errors": [...]}`` when the file is invalid or a
+  changed worker did not start with its new settings (``rolled_back``: it runs its previous
+  ones again).
+
+A restart or reload still running when the gateway begins to stop is answered 503 at once.
 """
 
 from __future__ import annotations
@@ -53,9 +57,8 @@ from gateway.api.errors import ApiError
 from gateway.auth import ADMIN_TOKEN_ENV, admin_token, is_admin_token
 from gateway.logs import get_logger
 from gateway.metrics import worker_state
+from gateway.texts import SHUTTING_DOWN_MESSAGE
 from workers.gpu import read_gpu_stats
-
-_running: set[asyncio.Task] = set()  # admin actions that outlive a client that left
 
 log = get_logger("gateway.api.admin")
 
@@ -155,12 +158,30 @@ async def undrain(request: web.Request) -> web.Response:
     return _json({"worker": sup.id, "draining": not now, "restarting": not now})
 
 
+async def _unless_stopping(gw, work: asyncio.Future, what: str):
+    """``work``'s result, or ApiError 503 (``SHUTTING_DOWN_MESSAGE``) as soon as the gateway
+    begins to stop: a restart or reload waits for a worker to start (up to its startup
+    timeout), which the shutdown drain must not wait for, and which its end would cut with no
+    answer at all (a fresh tester's admin restart during SIGTERM). ``work`` goes on; the stop
+    cancels worker restarts (``Fleet.stop``)."""
+    stopping = asyncio.ensure_future(gw.stopping.wait())
+    try:
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if work.done():
+        return work.result()
+    raise ApiError(503, f"{SHUTTING_DOWN_MESSAGE}: the gateway began to stop before the {what} "
+                        f"finished")
+
+
 async def restart(request: web.Request) -> web.Response:
     _check_token(request)
     gw, sup = _worker(request)
     log.info("admin.restart", worker=sup.id)
-    try:
-        await gw.fleet.restart_worker(sup.id, gw.config.shutdown.drain_s)  # returns once ready
+    try:  # returns once ready (or failed, or past the startup timeout)
+        await _unless_stopping(gw, asyncio.ensure_future(
+            gw.fleet.restart_worker(sup.id, gw.config.shutdown.drain_s)), "restart")
     except KeyError:  # a reload removed it before this restart got to it
         cur = None
     else:
@@ -176,12 +197,11 @@ async def reload(request: web.Request) -> web.Response:
     _check_token(request)
     # Its own task: a client that leaves mid-reload (aiohttp then cancels this handler) must
     # not stop the reload halfway, with some workers restarted and others not.
-    task = asyncio.get_running_loop().create_task(request.app["gw"].reloader.reload())
-    _running.add(task)  # a strong reference while it runs, also after this handler is gone
-    task.add_done_callback(_running.discard)
-    res = await asyncio.shield(task)
+    task = request.app["gw"].reloader.spawn()  # kept while it runs, also after this handler
+    res = await _unless_stopping(request.app["gw"], asyncio.shield(task), "reload")
     if not res.ok:
-        return _json({"error": "config not reloaded: " + "; ".join(res.errors), **res.as_dict()}, 400)
+        what = "config not fully applied: " if res.rolled_back else "config not reloaded: "
+        return _json({"error": what + "; ".join(res.errors), **res.as_dict()}, 400)
     return _json(res.as_dict())
 
 

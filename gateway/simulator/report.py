@@ -64,6 +64,11 @@ def worker_cache(slots: int, profile: GpuProfile) -> int:
     return host_cache_tokens(DEFAULT_CACHE_RAM_MIB, profile.kv_bytes_per_token) + slots * N_CTX
 
 
+#: Shortest ``duration_s`` a comparison can use: runs are measured after up to 20 s of
+#: warm-up (the seed and chat scenarios, and the one-GPU reference they are divided by).
+MIN_DURATION_S = 25.0
+
+
 def scenarios(duration_s: float, only: str = ""):
     """(name, workload factory of the GPU count, slots per GPU, warmup s), those whose name
     contains ``only`` (all by default). Conversations run

@@ -185,6 +185,10 @@ def test_field_17_sigterm_with_two_long_generations(tmp_path):
         time.sleep(1.0)
         t0 = time.monotonic()
         gw.proc.send_signal(signal.SIGTERM)
+        # A SIGHUP during the stop (a reload by a config tool) is ignored: it killed the
+        # gateway at once (exit 129, no error line, no drain; a fresh tester's find).
+        time.sleep(0.3)
+        gw.proc.send_signal(signal.SIGHUP)
         rc = gw.proc.wait(30)
         took = time.monotonic() - t0
         for f in futs:
@@ -194,8 +198,16 @@ def test_field_17_sigterm_with_two_long_generations(tmp_path):
     assert "error" in last and len(out["ollama"]) > 10
     assert all(json.loads(ln).get("done") is False for ln in out["ollama"][:-1])
     assert out["openai"][-1].startswith("data: ") and '"error"' in out["openai"][-1]
+    # cut by the shutdown, and worded so (it read "the worker stopped in the middle of the
+    # answer (connection lost)", a worker fault; a fresh tester's find)
+    cut = ("server shutting down, please try again: the gateway is shutting down and stopped "
+           "its workers before this answer was complete")
+    assert last["error"] == cut, last
+    assert json.loads(out["openai"][-1][len("data: "):])["error"]["message"] == cut
     assert not any(pid_alive(p) for p in pids)
-    assert '"event": "gateway.drain_timeout"' in gw.log_path.read_text()
+    log = gw.log_path.read_text()
+    assert '"event": "gateway.drain_timeout"' in log and '"event": "gateway.sighup_ignored"' in log
+    assert '"event": "gateway.stopped"' in log and '"event": "config.reloading"' not in log
 
 
 def test_field_13_startup_timeout_backoff_retry(tmp_path, gateway_factory):
@@ -643,3 +655,114 @@ def test_operator_drain_and_undrain_around_a_restart(gateway_factory):
     r = httpx.post(base + "undrain", headers=admin, timeout=10)
     assert r.json() == {"worker": "demo-cpu0", "draining": False, "restarting": False}
     assert short("after-undrain").status_code == 200
+
+
+def _broken_model(name: str = "broken") -> dict:
+    """A model whose worker llama-server refuses to start (an unknown flag: it exits at once)."""
+    return {"name": name, "path": "builtin:demo", "slots": 1, "context": 512, "cpu": 1,
+            "args": ["--definitely-not-a-flag"]}
+
+
+def test_admin_restart_of_a_crash_looping_worker_answers_when_it_fails(gateway_factory):
+    """An admin restart returns once the new process is ready or ``failed``: a worker whose
+    every start fails reaches ``failed`` (3 restarts) within seconds, and the restart answered
+    only at ``startup_timeout_s`` (180 s, meanwhile 9 more crash loops; a fresh tester's find)."""
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      llama_server={"threads": 1, "restart_backoff_initial_s": 0.2,
+                                    "restart_backoff_max_s": 0.5, "crash_loop_restarts": 3,
+                                    "crash_loop_window_s": 60, "failed_retry_s": 300},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1, "context": 512,
+                               "cpu": 1}, _broken_model()])
+    gw = gateway_factory(cfg, wait=False)
+    end = time.monotonic() + 120
+    while {w["id"]: w["state"] for w in gw.workers()} != {"demo-cpu0": "ready",
+                                                         "broken-cpu0": "failed"}:
+        assert time.monotonic() < end, gw.workers()
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    r = httpx.post(gw.url + "/gateway/api/admin/workers/broken-cpu0/restart",
+                   headers={"Authorization": "Bearer t"}, timeout=200)
+    took = time.monotonic() - t0
+    assert r.status_code == 200 and r.json()["state"] == "failed", r.text
+    assert r.json()["detail"].startswith("crash loop: 3 restarts"), r.text
+    assert took < 60, took  # the startup timeout is 180 s
+    w = {w["id"]: w for w in gw.workers()}["broken-cpu0"]
+    assert w["state"] == "failed" and w["crash_loops"] >= 1, w
+
+
+def test_reload_whose_new_args_break_the_worker_rolls_it_back_and_stops(gateway_factory):
+    """A reload that gives the model an argument llama-server refuses: the first worker
+    restarted with it fails (crash loop), is started again with its previous command line,
+    and the second is not restarted, so the model keeps serving on both; the reload answers
+    400 naming the rolled-back worker (it restarted every worker into ``failed``, one
+    ``startup_timeout_s`` each, and answered 200 ``ok``; a fresh tester's find). A later
+    reload of the fixed file finds nothing to restart."""
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      llama_server={"threads": 1, "restart_backoff_initial_s": 0.2,
+                                    "restart_backoff_max_s": 0.5, "crash_loop_restarts": 3},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 2}])
+    gw = gateway_factory(cfg)
+    before = {w["id"]: w["pid"] for w in gw.workers()}
+    admin = {"Authorization": "Bearer t"}
+    bad = yaml.safe_load(gw.cfg_path.read_text())
+    bad["models"][0]["args"] = ["--definitely-not-a-flag"]
+    gw.cfg_path.write_text(yaml.safe_dump(bad))
+    for attempt in range(2):  # the same file again: the worker runs its old command, so again
+        t0 = time.monotonic()
+        r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=400)
+        assert time.monotonic() - t0 < 90, attempt  # not a startup timeout (180 s) per worker
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert body["ok"] is False and body["rolled_back"] == ["demo-cpu0"], body
+        assert body["changed"] == [] and body["error"].startswith("config not fully applied: ")
+        assert body["errors"] == [
+            "worker demo-cpu0 did not become ready with its new settings (failed: crash loop: "
+            "3 restarts within 120 s (last: exited during startup with status 1)); it was "
+            "started again with its previous settings, and demo-cpu1 kept theirs; the rest of "
+            "the file is in effect"], body
+        ws = {w["id"]: w for w in gw.wait_ready(60, n=2)}
+        assert ws["demo-cpu1"]["pid"] == before["demo-cpu1"]  # never restarted
+        assert ws["demo-cpu0"]["pid"] != before["demo-cpu0"]
+        assert "--definitely-not-a-flag" not in open(
+            f"/proc/{ws['demo-cpu0']['pid']}/cmdline").read()
+    out = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 3}})
+    assert out.status_code == 200, out.text
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'llama_gateway_config_reloads_total{result="rolled_back"} 2.0' in metrics, metrics
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))  # the fix: what the workers run already
+    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=400)
+    assert r.status_code == 200 and r.json()["changed"] == [] and r.json()["ok"] is True, r.text
+
+
+def test_sigterm_answers_a_running_admin_restart_at_once(tmp_path, gateway_factory):
+    """An admin restart still waiting for its worker to load when SIGTERM comes is answered
+    503 at once, and the stop does not wait ``drain_s`` for it (it waited the whole 30 s and
+    the call got no answer at all; a fresh tester's find). The binary is a deliberately slow
+    fake wrapper: every start after the first sleeps 30 s before it execs llama-server."""
+    wrapper, _ = slow_start_binary(tmp_path, str(ensure_llama_server()), 30, first=2)
+    cfg = base_config(free_port(), admin={"token": "t"}, shutdown={"drain_s": 30},
+                      llama_server={"binary": str(wrapper), "threads": 1},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    with cf.ThreadPoolExecutor(1) as ex:
+        call = ex.submit(httpx.post, gw.url + "/gateway/api/admin/workers/demo-cpu0/restart",
+                         headers={"Authorization": "Bearer t"}, timeout=60)
+        end = time.monotonic() + 20
+        while gw.workers()[0]["state"] != "starting":
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+        r = call.result(timeout=60)
+        answered = time.monotonic() - t0
+        rc = gw.proc.wait(60)
+        stopped = time.monotonic() - t0
+    assert r.status_code == 503 and r.json()["error"] == (
+        "server shutting down, please try again: the gateway began to stop before the restart "
+        "finished"), r.text
+    assert answered < 5 and stopped < 15 and rc == 0, (answered, stopped, rc)
+    assert '"event": "gateway.drain_timeout"' not in gw.log_path.read_text()
