@@ -258,6 +258,7 @@ async def serve(config: GatewayConfig, config_path: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, gw.stopping.set)
+
     def on_hup() -> None:
         log.info("gateway.sighup")
         gw.reloader.spawn()

@@ -320,19 +320,22 @@ _NAME_HINT = 'a model name like "demo", "demo:latest" or "ns/demo:7b"'
 
 
 #: The host and namespace Ollama puts before a short name (types/model/name.go: ``demo`` is
-#: ``registry.ollama.ai/library/demo:latest``), so clients that send the long form reach it.
-_DEFAULT_PREFIXES = ("registry.ollama.ai/library/", "library/")
+#: ``registry.ollama.ai/library/demo:latest``, ``org/demo`` is ``registry.ollama.ai/org/demo``),
+#: so clients that send the long form reach it.
+_DEFAULT_HOST, _DEFAULT_NAMESPACE = "registry.ollama.ai/", "library/"
 
 
 def normalize_model_name(name: str) -> str:
     """Canonical lookup key of an Ollama model name: ``":latest"`` appended when untagged,
     lower-cased (Ollama's ``strings.EqualFold``), without Ollama's default host and namespace
-    ("Demo", "library/demo" and "registry.ollama.ai/library/demo:latest" -> "demo:latest").
-    Names are compared by this key: config's duplicate check, API keys' ``models``, requests."""
+    ("Demo", "library/demo" and "registry.ollama.ai/library/demo:latest" -> "demo:latest";
+    "registry.ollama.ai/org/demo" -> "org/demo:latest"). Names are compared by this key:
+    config's duplicate check, API keys' ``models``, requests."""
     key = _full_name(name.strip()).lower()
-    for prefix in _DEFAULT_PREFIXES:
-        if key.startswith(prefix) and "/" not in key[len(prefix):]:
-            return key[len(prefix):]
+    if key.startswith(_DEFAULT_HOST) and key.count("/") == 2:  # host/namespace/model
+        key = key[len(_DEFAULT_HOST):]
+    if key.startswith(_DEFAULT_NAMESPACE) and key.count("/") == 1:
+        key = key[len(_DEFAULT_NAMESPACE):]
     return key
 
 

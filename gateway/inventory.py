@@ -77,10 +77,9 @@ class GGUFFacts:
                 t = f.types[0] if f.types else None
                 if name == "tokenizer.ggml.tokens" and not has_fim:
                     has_fim = _vocab_has_fim(f)
-                if t == GGUFValueType.ARRAY:
-                    if len(f.data) > 5 or name.startswith("tokenizer.ggml."):
-                        kv[name] = None  # long arrays are emptied, as Ollama does without verbose
-                        continue
+                if t == GGUFValueType.ARRAY and len(f.data) > 5:
+                    kv[name] = []  # emptied, as Ollama's /api/show does without ``verbose``
+                    continue
                 kv[name] = f.contents()
             except Exception:  # an odd field must not stop the gateway
                 continue
@@ -91,6 +90,21 @@ class GGUFFacts:
                     chat_template=str(kv.get("tokenizer.chat_template") or ""), has_fim=has_fim, n_vocab=n_vocab)
         kv.pop("tokenizer.chat_template", None)
         return facts
+
+    @staticmethod
+    def read_long_arrays(path: Path) -> dict:
+        """The arrays longer than 5 that :meth:`read` empties (``tokenizer.ggml.tokens``,
+        ``merges``, ``token_type`` …), whole: ``/api/show`` with ``verbose`` (Ollama's
+        ``getModelData`` loads them then). Reads the file again (memory-mapped); the vocabulary
+        of a large model takes about a second. Raises OSError/ValueError as ``read``."""
+        from gguf import GGUFReader
+        from gguf.constants import GGUFValueType
+
+        out = {}
+        for name, f in GGUFReader(str(path), "r").fields.items():
+            if f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > 5:
+                out[name] = f.contents()
+        return out
 
     @property
     def context_length(self) -> int:

@@ -16,6 +16,7 @@ at once (full queue, no worker can serve) gets that answer before any side call.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import datetime
 
@@ -39,7 +40,7 @@ from gateway.api.ollama_mapping import (
     parse_think,
     tool_call_out,
 )
-from gateway.inventory import ModelEntry, now_utc_z
+from gateway.inventory import GGUFFacts, ModelEntry, now_utc_z
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease
 from gateway.upstream import UpstreamError, iter_sse_batches
@@ -330,14 +331,36 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if not msgs:
         return _done_only(gw, entry, name, keep_alive, chat=True)
     entry.touch(keep_alive)
-    up = {"model": entry.name, "messages": msgs, "stream": True,
-          "stream_options": {"include_usage": True}, **_sampling(request, body),
-          **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}
-    if lp or top:
-        up["logprobs"] = True
-        up["top_logprobs"] = max(top, 1)  # as Ollama's runner: llama-server needs >= 1
-    if tools:
-        up["tools"] = tools
+    fmt = format_fields(body.get("format"), chat=False)  # also the check of ``format``
+    if fmt and not tools and not any_image and not think:
+        # Structured output as Ollama runs it: the chat template applied, then a completion
+        # under the format's grammar. llama-server's own chat route parses the finished answer
+        # once more and answered 500 "The model produced output that does not match the
+        # expected peg-native format" for about a quarter of grammar-conforming answers (a
+        # fresh tester's find; /api/generate, which takes this path, never failed).
+        path = "/completion"
+        try:
+            refuse_early(gw, entry.name)
+            rendered = await apply_template(gw, entry.name, msgs, **_think_kwargs(think))
+        except (Unavailable, QueueFull) as e:
+            return _refused(gw, e)
+        except UpstreamError as e:
+            msg, status = upstream_error_text(e)
+            return ollama_error(status, msg)
+        up = {"stream": True, "cache_prompt": True, "prompt": rendered,
+              **_sampling(request, body), **fmt}
+        if lp or top:
+            up["n_probs"] = max(top, 1)
+    else:
+        path = "/v1/chat/completions"
+        up = {"model": entry.name, "messages": msgs, "stream": True,
+              "stream_options": {"include_usage": True}, **_sampling(request, body),
+              **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}
+        if lp or top:
+            up["logprobs"] = True
+            up["top_logprobs"] = max(top, 1)  # as Ollama's runner: llama-server needs >= 1
+        if tools:
+            up["tools"] = tools
 
     def chunk(st, content, thinking):
         msg = {"role": "assistant", "content": content}
@@ -360,7 +383,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
             obj["logprobs"] = st.take_logprobs(top)
         return obj
 
-    return await _relay(request, entry, "/v1/chat/completions", up, stream, chunk, final)
+    return await _relay(request, entry, path, up, stream, chunk, final)
 
 
 def _context_tokens(value, n_vocab: int) -> list[int]:
@@ -519,10 +542,16 @@ async def version(request: web.Request) -> web.Response:
                               "gateway": f"llama-gateway {__version__}"}, dumps=_dumps)
 
 
-def _model_info(entry: ModelEntry, ctx: int) -> dict:
-    """GGUF key/values as Ollama's ``model_info`` (long arrays emptied, as without ``verbose``);
-    always includes ``general.architecture``, ``general.parameter_count`` and the context length."""
+async def _model_info(entry: ModelEntry, ctx: int, verbose: bool) -> dict:
+    """GGUF key/values as Ollama's ``model_info``: arrays longer than 5 emptied (``[]``), or
+    whole with ``verbose``; always includes ``general.architecture``,
+    ``general.parameter_count`` and the context length."""
     mi = {k: v for k, v in entry.facts.kv.items() if v is not None and not k.startswith("tokenizer.chat")}
+    if verbose:
+        try:
+            mi.update(await asyncio.to_thread(GGUFFacts.read_long_arrays, entry.path))
+        except (OSError, ValueError) as e:  # the file changed since the gateway started
+            raise ApiError(500, f"cannot read {entry.path}: {e}") from None
     arch = entry.facts.architecture or "unknown"
     mi["general.architecture"] = arch
     mi["general.parameter_count"] = entry.facts.n_params
@@ -550,7 +579,8 @@ async def show(request: web.Request) -> web.Response:
                      + (f"# llama-server args: {args}\n" if args else ""),
         "parameters": "\n".join(params),
         "template": template, "system": "", "details": entry.details(),
-        "model_info": _model_info(entry, ctx), "capabilities": caps,
+        "model_info": await _model_info(entry, ctx, body.get("verbose") is True),
+        "capabilities": caps,
         "modified_at": entry.modified_at.isoformat(),
     }, dumps=_dumps)
 

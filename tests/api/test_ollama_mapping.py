@@ -163,7 +163,10 @@ def test_names_resolve_like_ollama():
     for name in ("demo", "DEMO:latest", "library/demo", "registry.ollama.ai/library/demo",
                  "registry.ollama.ai/library/demo:latest", "ns/other:7b", "NS/Other:7B"):
         assert inv.resolve(name) is demo, name
-    for name in ("demo:7b", "registry.ollama.ai/demo", "other/demo", "library/ns/other:7b", "", None):
+    # a namespace other than library keeps it, with or without the default host
+    assert inv.resolve("registry.ollama.ai/ns/other:7b") is demo
+    for name in ("demo:7b", "registry.ollama.ai/demo", "other/demo", "library/ns/other:7b",
+                 "registry.ollama.ai/ns/other", "example.com/library/demo", "", None):
         assert inv.resolve(name) is None, name
 
 
