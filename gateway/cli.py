@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from gateway import __version__
@@ -170,6 +172,10 @@ def _check_files(cfg) -> tuple[list[str], dict[str, int]]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     verb = args.verb or "serve"
+    if verb == "serve" and threading.current_thread() is threading.main_thread():
+        # Until serve() installs its reload handler (after imports and the config load), a
+        # SIGHUP must not end the process (its default action; exit 129 in a tester's run).
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if verb == "serve" and not hasattr(args, "config"):
         args.config = os.environ.get("LLAMA_GATEWAY_CONFIG", "gateway.yaml")
     if verb in ("status", "worker", "reload"):

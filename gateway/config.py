@@ -325,6 +325,10 @@ _NAME_HINT = 'a model name like "demo", "demo:latest" or "ns/demo:7b"'
 _DEFAULT_HOST, _DEFAULT_NAMESPACE = "registry.ollama.ai/", "library/"
 
 
+#: llama-server reads its integer arguments (``-c``, ``-np``) as a C ``int``.
+INT32_MAX = 2**31 - 1
+
+
 def normalize_model_name(name: str) -> str:
     """Canonical lookup key of an Ollama model name: ``":latest"`` appended when untagged,
     lower-cased (Ollama's ``strings.EqualFold``), without Ollama's default host and namespace
@@ -792,6 +796,16 @@ class ModelConfig(_Section):
                 f"and gpus: {_got(self.gpus)}",
                 "cpu",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _c_fits_llama_server(self) -> "ModelConfig":
+        """llama-server reads ``-c`` (slots × context) with ``std::stoi``: past a 32-bit int
+        its workers exit at start (``error while handling argument "-c": stoi``)."""
+        slots = max([self.slots, *self.slots_per_gpu.values()])
+        if slots * self.context > INT32_MAX:
+            _fail(f"slots × context is {slots} × {self.context} = {slots * self.context} "
+                  f"tokens, more than llama-server's -c takes ({INT32_MAX})", "context")
         return self
 
     @property

@@ -93,6 +93,8 @@ class Fleet:
         self.plans: dict[str, WorkerPlan] = {}
         #: worker id -> config.fingerprint of what its process was started with (reload's diff)
         self.launched: dict[str, tuple] = {}
+        #: workers a reload is removing: no restart may start a process for them (``retire``)
+        self.retired: set[str] = set()
         self.upstream = None  # set by the gateway: streams of a worker that goes down are ended
         self.pollers: dict[str, WorkerPoller] = {}
         self.bytes_per_token: dict[str, float] = {}
@@ -262,11 +264,32 @@ class Fleet:
         self._apply_speeds(self.speeds.forget(worker_id))
         log.info(event, worker=worker_id)
 
+    def retire(self, worker_id: str) -> None:
+        """A reload removes ``worker_id``: no new leases (``Dispatcher.retire``), and no restart
+        (an admin's, running or asked for later) starts a process for it; see
+        :meth:`remove_retired`."""
+        self.retired.add(worker_id)
+        self.admission.dispatcher.retire(worker_id)
+
+    async def remove_retired(self, worker_id: str, drain_s: float) -> None:
+        """Drain and stop a worker :meth:`retire` took out, once a restart of it that was
+        already running has ended (that restart then starts no process and its caller gets
+        KeyError: an admin restart raced with the reload left a process the fleet no longer
+        knew, or a worker no reload could remove; a fresh tester's find). The operator's drain
+        ends with the worker."""
+        running = self._restarting.get(worker_id)
+        if running is not None:
+            await asyncio.gather(running, return_exceptions=True)
+        if worker_id in self.supervisors:
+            await self.remove_worker(worker_id, drain_s)
+        self.held.discard(worker_id)
+
     def add_worker(self, plan: WorkerPlan, event: str = "worker.added",
                    launch: tuple[LaunchSpec, tuple] | None = None) -> WorkerSupervisor:
         """Register and start a worker for ``plan`` (not in rotation until ready); logs
         ``event`` (a restart's start logs ``worker.restart_started``). ``launch``: see
         ``_add``."""
+        self.retired.discard(plan.id)  # a reload that removed it may add it back later
         sup = self._add(plan, self._threads(list(self.plans.values()) + [plan]), launch)
         sup.start()
         if self._session is not None:
@@ -294,6 +317,8 @@ class Fleet:
         ``ready_timeout_s`` seconds, default ``llama_server.startup_timeout_s``): a second
         click while the new process still loads joins this restart instead of stopping that
         process and leaving the first caller waiting for a worker that never comes up."""
+        if worker_id in self.retired:
+            raise KeyError(worker_id)  # a reload is removing it
         running = self._restarting.get(worker_id)
         if running is not None:
             try:
@@ -323,6 +348,9 @@ class Fleet:
         order = list(self.supervisors)
         old = self.supervisors[worker_id]
         await self.remove_worker(worker_id, drain_s, "worker.restart_stopped")
+        if worker_id in self.retired:  # a reload removed it meanwhile: no new process
+            log.info("worker.removed", worker=worker_id, during="restart")
+            raise KeyError(worker_id)
         sup = self.add_worker(plan, "worker.restart_started", launch)
         if worker_id in self.held:  # the operator's drain outlives the restart: not in
             self.set_draining(worker_id, True, held=True)  # rotation while it loads or once ready

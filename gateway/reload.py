@@ -177,11 +177,10 @@ class Reloader:
         res.changed = await self._roll_out(diff.changed, drain_s,
                                            new.llama_server.startup_timeout_s, res)
         for plan in diff.removed:  # no new leases; a model left without workers is refused
-            gw.admission.dispatcher.retire(plan.id)
+            fleet.retire(plan.id)
         gw.admission.refuse_queued()  # its queued requests now, not after the drain and stop
         for plan in diff.removed:
-            await fleet.remove_worker(plan.id, drain_s)
-            fleet.held.discard(plan.id)  # an operator's drain ends with the worker
+            await fleet.remove_retired(plan.id, drain_s)
         log.info("config.reloaded", path=self.path, added=res.added, changed=res.changed,
                  removed=res.removed, unchanged=len(res.unchanged), rolled_back=res.rolled_back)
         return res

@@ -119,7 +119,10 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
             ``queue.timeout_s``; capped by the request deadline). With 0, each worker in
             rotation is still tried once.
         timeout_s: limit of one try (default ``llama_server.liveness_timeout_s``).
-        prefer: worker id to try first while it is in rotation (the request's own worker).
+        prefer: worker id to try first (the request's own worker): while it is in rotation,
+            or out of it but still ready (drained by the operator, or its model removed by a
+            reload while it finished this request), so the last side call of a request
+            (``/api/generate``'s ``context``) does not fail for want of a worker in rotation.
 
     Raises: an ``Unavailable`` at once when no worker can come into rotation without an operator
     (as admission); UpstreamError: 503 when no worker came into rotation in time, the worker's
@@ -137,6 +140,10 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
     last: _Retry | None = None
     while True:
         fit = fit_workers(gw, model)
+        if prefer is not None and prefer not in fit:
+            view, ep = gw.admission.dispatcher.workers.get(prefer), gw.fleet.endpoint_of(prefer)
+            if view is not None and view.ready and ep is not None:
+                fit = {prefer: (view, ep), **fit}
         order = router.order([w for w, _ in fit.values()], time.monotonic(), prefer=prefer,
                              tried=tried)
         if not order:

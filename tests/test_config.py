@@ -422,3 +422,12 @@ def test_affinity_wait_settings():
     assert (scorer.wait_s_per_token, scorer.wait_max_s) == (125 / 1e6, 0.5)
     assert errors_of(yaml.safe_load(base + "scheduler: {affinity_wait_ms_per_1k_tokens: -1}")) == [
         "scheduler.affinity_wait_ms_per_1k_tokens: expected a number >= 0, got -1"]
+
+
+def test_context_times_slots_must_fit_llama_servers_int():
+    """llama-server reads -c with std::stoi: a config past it was accepted (check-config printed
+    a capped context) and its workers exited at start (a fresh tester's find)."""
+    assert errors_of(base(slots=2, context=3_000_000_000)) == [
+        "models[0].context: slots × context is 2 × 3000000000 = 6000000000 tokens, more than "
+        "llama-server's -c takes (2147483647)"]
+    assert parse_config(base(slots=1, context=2**31 - 1)).models[0].context == 2**31 - 1

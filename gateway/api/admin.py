@@ -169,7 +169,8 @@ async def _unless_stopping(gw, work: asyncio.Future, what: str):
         await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopping.cancel()
-    if work.done():
+    # a reload the stop cancelled (Reloader.cancel_all) is answered too, not cut off
+    if work.done() and not work.cancelled():
         return work.result()
     raise ApiError(503, f"{SHUTTING_DOWN_MESSAGE}: the gateway began to stop before the {what} "
                         f"finished")

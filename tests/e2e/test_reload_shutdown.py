@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -14,8 +15,8 @@ import psutil
 import pytest
 import yaml
 
-from tests.conftest import (base_config, free_port, llama_server_pids, long_stream, pid_alive,
-                            start_gateway)
+from tests.conftest import (ROOT, base_config, free_port, llama_server_pids, long_stream,
+                            pid_alive, start_gateway)
 from tests.fakes import slow_start_binary
 from workers.provision import cache_root, ensure_llama_server
 
@@ -766,3 +767,93 @@ def test_sigterm_answers_a_running_admin_restart_at_once(tmp_path, gateway_facto
         "finished"), r.text
     assert answered < 5 and stopped < 15 and rc == 0, (answered, stopped, rc)
     assert '"event": "gateway.drain_timeout"' not in gw.log_path.read_text()
+
+
+def test_admin_restart_racing_a_reload_that_removes_the_worker(gateway_factory):
+    """An admin restart of a worker that a reload removes while the restart drains it: the
+    restart answers 404 and starts no process, the reload removes the worker, and the fleet's
+    list matches the processes running (the restart's new process used to start after the
+    removal: a llama-server no listing showed, or a worker no reload could remove and a later
+    reload's 500 "already registered"; a fresh tester's find). Re-adding the model works."""
+    cfg = _two_models(free_port(), admin={"token": "t"}, shutdown={"drain_s": 20})
+    cfg["models"][1]["context"] = 8192  # room for a generation that outlasts the race
+    gw = gateway_factory(cfg)
+    admin = {"Authorization": "Bearer t"}
+    only_alpha = {**cfg, "models": cfg["models"][:1]}
+    with cf.ThreadPoolExecutor(3) as ex:
+        busy = ex.submit(httpx.post, gw.url + "/api/generate", timeout=120, json={
+            "model": "beta", "prompt": "x", "raw": True, "stream": False,
+            "options": {"num_predict": 6000}})  # keeps the restart's drain of beta going
+        end = time.monotonic() + 30
+        while {w["id"]: w["busy"] for w in gw.workers()}["beta-cpu0"] < 1:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        restart = ex.submit(httpx.post, gw.url + "/gateway/api/admin/workers/beta-cpu0/restart",
+                            headers=admin, timeout=120)
+        time.sleep(0.3)
+        gw.cfg_path.write_text(yaml.safe_dump(only_alpha))
+        reload = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=120)
+        r = restart.result(120)
+        busy.result(120)
+    assert reload.status_code == 200 and reload.json()["removed"] == ["beta-cpu0"], reload.text
+    assert r.status_code == 404 and "removed by a config reload" in r.json()["error"], r.text
+    time.sleep(1.0)  # a late process would have started by now
+    ws = gw.workers()
+    kids = sorted(c.pid for c in psutil.Process(gw.proc.pid).children(recursive=True)
+                  if c.name() == "llama-server")
+    assert [w["id"] for w in ws] == ["alpha-cpu0"] and kids == [ws[0]["pid"]], (ws, kids)
+    assert "Task exception was never retrieved" not in gw.log_path.read_text()
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    again = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=120)
+    assert again.status_code == 200 and again.json()["added"] == ["beta-cpu0"], again.text
+    gw.wait_ready(60, n=2)
+    out = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "beta", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 3}})
+    assert out.status_code == 200, out.text
+
+
+def test_sighup_at_start_and_a_reload_running_at_sigterm(tmp_path):
+    """A SIGHUP in the gateway's first second (before its reload handler exists) is ignored,
+    not its default action (exit 129, nothing logged); a reload still restarting a worker when
+    SIGTERM comes is answered 503, not cut off with an empty reply (fresh tester's finds)."""
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      llama_server={"threads": 1, "restart_backoff_initial_s": 1.0},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 1}])
+    cfg_path = tmp_path / "gw.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    log_path = tmp_path / "gw.log"
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "-c", str(cfg_path)],
+                                cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGHUP)
+        url = f"http://127.0.0.1:{int(cfg['listen'].rsplit(':', 1)[1])}"
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (proc.returncode, log_path.read_text()[-2000:])
+            try:
+                ws = httpx.get(url + "/gateway/api/workers", timeout=2).json()["workers"]
+                if ws and ws[0]["state"] == "ready":
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < end
+            time.sleep(0.1)
+        cfg["models"][0]["args"] = ["--definitely-not-a-flag"]
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        with cf.ThreadPoolExecutor(1) as ex:
+            call = ex.submit(httpx.post, url + "/gateway/api/admin/reload",
+                             headers={"Authorization": "Bearer t"}, timeout=60)
+            time.sleep(1.0)  # the changed worker is in its restart (a crash loop takes longer)
+            proc.send_signal(signal.SIGTERM)
+            r = call.result(60)
+        assert r.status_code == 503 and r.json()["error"] == (
+            "server shutting down, please try again: the gateway began to stop before the "
+            "reload finished"), r.text
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

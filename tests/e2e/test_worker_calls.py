@@ -286,3 +286,45 @@ def test_a_worker_without_a_side_call_endpoint_gives_502_not_404(tmp_path, gatew
                                                    "stream": False,
                                                    "options": {"num_predict": 3}}, timeout=30)
     assert r.status_code == 200 and r.json()["done"] is True  # its /completion still works
+
+
+def test_generate_finishing_on_a_drained_only_worker_keeps_its_final_line(gateway_factory):
+    """A generate whose model's only worker the operator drains while it runs still gets its
+    ``done`` line with ``context``: the last side call (``/tokenize``) goes to the request's
+    own worker, drained but running, instead of failing for want of a worker in rotation
+    (the stream ended with an "every worker … is drained" error line, and the non-streamed
+    answer was a 503 after the whole generation; a fresh tester's find)."""
+    cfg = base_config(free_port(), admin={"token": ADMIN_TOKEN},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 2,
+                               "context": 4096, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    drain = gw.url + "/gateway/api/admin/workers/demo-cpu0/drain"
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    body = {"model": "demo", "prompt": "x", "options": {"num_predict": 400}}
+    out: dict = {}
+
+    def streamed():
+        with httpx.stream("POST", gw.url + "/api/generate", json=body, timeout=120) as r:
+            out["stream"] = [json.loads(ln) for ln in r.iter_lines() if ln]
+
+    def whole():
+        out["whole"] = httpx.post(gw.url + "/api/generate", json={**body, "stream": False},
+                                  timeout=120)
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        futs = [ex.submit(streamed), ex.submit(whole)]
+        end = time.monotonic() + 30
+        while gw.workers()[0]["busy"] < 2:
+            assert time.monotonic() < end, gw.workers()
+            time.sleep(0.02)
+        assert httpx.post(drain, headers=admin, timeout=10).status_code == 200
+        for f in futs:
+            f.result(120)
+    last = out["stream"][-1]
+    assert last.get("done") is True and last["eval_count"] == 400, last
+    assert isinstance(last["context"], list) and len(last["context"]) > 400, last
+    w = out["whole"]
+    assert w.status_code == 200 and w.json()["done"] is True, w.text
+    assert len(w.json()["context"]) > 400
+    r = httpx.post(gw.url + "/api/generate", json={**body, "stream": False}, timeout=30)
+    assert r.status_code == 503 and "drained" in r.json()["error"]  # nothing new while drained
