@@ -272,6 +272,8 @@ async def serve(config: GatewayConfig, config_path: str | None = None) -> int:
         loop.add_signal_handler(signal.SIGHUP, lambda: log.info("gateway.sighup_ignored",
                                                                 reason="shutting down"))
         gw.reloader.cancel_all()
+        if gw.fleet:
+            gw.fleet.cancel_restarts()
         await graceful_stop(gw)
     finally:
         gw.reloader.cancel_all()

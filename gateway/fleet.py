@@ -95,6 +95,9 @@ class Fleet:
         self.launched: dict[str, tuple] = {}
         #: workers a reload is removing: no restart may start a process for them (``retire``)
         self.retired: set[str] = set()
+        #: workers a reload restarts with new settings, on trial: their crash-loop ``failed``
+        #: is not the model's (the reload puts them back on their previous settings at once)
+        self.trials: set[str] = set()
         self.upstream = None  # set by the gateway: streams of a worker that goes down are ended
         self.pollers: dict[str, WorkerPoller] = {}
         self.bytes_per_token: dict[str, float] = {}
@@ -399,7 +402,7 @@ class Fleet:
         supervisor that was already replaced (restart) is ignored."""
         if self.supervisors.get(sup.id) is not sup:
             return
-        failed = sup.state == "failed"
+        failed = sup.state == "failed" and sup.id not in self.trials
         view = self.admission.dispatcher.workers.get(sup.id)
         if view is not None and view.failed != failed:  # what admission knows changes
             self.admission.worker_failed(sup.id, failed, sup.retry_at)
@@ -563,11 +566,17 @@ class Fleet:
         res = await asyncio.gather(*(s.wait_ready(timeout) for s in self.supervisors.values()))
         return all(res)
 
-    async def stop(self) -> None:
-        restarts = list(self._restarting.values())  # none may start a worker after this
+    def cancel_restarts(self) -> list[asyncio.Task]:
+        """Cancel every restart under way (the gateway stops: none may start a worker after
+        this; an admin restart already answered 503 went on to start one, a fresh tester's
+        find); returns their tasks."""
+        restarts = list(self._restarting.values())
         for t in restarts:
             t.cancel()
-        await asyncio.gather(*restarts, return_exceptions=True)
+        return restarts
+
+    async def stop(self) -> None:
+        await asyncio.gather(*self.cancel_restarts(), return_exceptions=True)
         for p in self.pollers.values():
             await p.stop()
         for t in list(self._tasks):

@@ -200,7 +200,11 @@ class Reloader:
                      context=plan.context)
             before = fleet.plans[plan.id], (fleet.supervisors[plan.id].spec,
                                             fleet.launched[plan.id])
-            sup = await fleet.restart_worker(plan.id, drain_s, plan, ready_timeout_s)
+            fleet.trials.add(plan.id)  # its requests wait for the rollback, not 503 "failed"
+            try:
+                sup = await fleet.restart_worker(plan.id, drain_s, plan, ready_timeout_s)
+            finally:
+                fleet.trials.discard(plan.id)
             if sup.ready:
                 done.append(plan.id)
                 continue

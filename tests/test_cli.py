@@ -117,3 +117,17 @@ def test_demo_model_with_a_longer_training_context(tmp_path):
         assert bad.returncode == 2 and "must be 16 to 2147483647" in bad.stderr, bad.stderr
     no_path = run("demo-model", "--context-length", "64")
     assert no_path.returncode == 2 and "needs --path" in no_path.stderr
+
+
+def test_check_config_refuses_a_cut_short_gguf_in_one_line(tmp_path):
+    """gguf's reader raised IndexError on a file cut after 1,000 bytes: a traceback and exit 1
+    (a 500 on reload; a fresh tester's find)."""
+    from workers.demo_model import write_demo_model
+    whole = write_demo_model(tmp_path / "m.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:1000])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f'models:\n  - {{name: demo, path: "{cut}", cpu: 1}}\n')
+    r = run("check-config", "-c", str(cfg))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"models[0].path: not a readable GGUF file: {cut} (malformed GGUF (" in r.stderr

@@ -187,10 +187,11 @@ async def restart(request: web.Request) -> web.Response:
         cur = None
     else:
         cur = gw.fleet.supervisors.get(sup.id)  # a reload may have removed or replaced it
-    if cur is None:
+    if cur is None or sup.id in gw.fleet.retired:  # removed, or a reload is removing it
         raise ApiError(404, f"worker '{sup.id}' was removed by a config reload during its restart")
+    proc = cur.process
     return _json({"worker": cur.id, "state": worker_state(gw, cur), "detail": cur.detail,
-                  "pid": cur.process.pid if cur.process else None,
+                  "pid": proc.pid if proc and proc.returncode is None else None,
                   "draining": gw.fleet.draining(cur.id)})
 
 

@@ -65,6 +65,8 @@ def _loads(raw: bytes):
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
+        if str(e).startswith("depth limit exceeded"):  # orjson's own limit (1,024), same words
+            raise JSONTooDeep(f"nested more than {MAX_JSON_DEPTH} levels deep", "", 0) from None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:

@@ -812,9 +812,17 @@ def test_admin_restart_racing_a_reload_that_removes_the_worker(gateway_factory):
     assert out.status_code == 200, out.text
 
 
+def _sighup_handled(pid: int) -> bool:
+    """Whether process ``pid`` ignores or catches SIGHUP (``SigIgn`` / ``SigCgt`` bit 0 in
+    ``/proc/PID/status``)."""
+    fields = dict(ln.split(":\t", 1) for ln in open(f"/proc/{pid}/status").read().splitlines()
+                  if ":\t" in ln)
+    return any(int(fields[k], 16) & 1 for k in ("SigIgn", "SigCgt"))
+
+
 def test_sighup_at_start_and_a_reload_running_at_sigterm(tmp_path):
-    """A SIGHUP in the gateway's first second (before its reload handler exists) is ignored,
-    not its default action (exit 129, nothing logged); a reload still restarting a worker when
+    """A SIGHUP in the gateway's first second (before its reload handler exists, once Python
+    runs the gateway's code) is ignored, not its default action (exit 129, nothing logged); a reload still restarting a worker when
     SIGTERM comes is answered 503, not cut off with an empty reply (fresh tester's finds)."""
     cfg = base_config(free_port(), admin={"token": "t"},
                       llama_server={"threads": 1, "restart_backoff_initial_s": 1.0},
@@ -827,7 +835,12 @@ def test_sighup_at_start_and_a_reload_running_at_sigterm(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "-c", str(cfg_path)],
                                 cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
     try:
-        time.sleep(0.3)
+        # once the gateway's own code runs (SIGHUP ignored or caught; before that, Python is
+        # still starting), a SIGHUP must not end it
+        end = time.monotonic() + 60
+        while not _sighup_handled(proc.pid):
+            assert proc.poll() is None and time.monotonic() < end
+            time.sleep(0.005)
         proc.send_signal(signal.SIGHUP)
         url = f"http://127.0.0.1:{int(cfg['listen'].rsplit(':', 1)[1])}"
         end = time.monotonic() + 120
@@ -857,3 +870,60 @@ def test_sighup_at_start_and_a_reload_running_at_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_sigterm_cancels_a_restart_still_draining_its_worker(tmp_path):
+    """An admin restart still draining its worker when SIGTERM comes is answered 503 and
+    starts no new process during the stop (it went on to spawn one after the 503; a fresh
+    tester's find)."""
+    cfg = base_config(free_port(), admin={"token": "t"}, shutdown={"drain_s": 2},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 65536, "cpu": 1}])
+    gw = start_gateway(tmp_path, cfg)
+    with cf.ThreadPoolExecutor(2) as ex:
+        stream = ex.submit(long_stream, gw.url)
+        end = time.monotonic() + 30
+        while gw.workers()[0]["busy"] < 1:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        call = ex.submit(httpx.post, gw.url + "/gateway/api/admin/workers/demo-cpu0/restart",
+                         headers={"Authorization": "Bearer t"}, timeout=60)
+        while not gw.workers()[0]["draining"]:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        gw.proc.send_signal(signal.SIGTERM)
+        r = call.result(60)
+        stream.result(60)
+        assert gw.proc.wait(60) == 0
+    assert r.status_code == 503, r.text
+    log = gw.log_path.read_text()
+    assert '"event": "worker.restart_started"' not in log and log.count('"worker.spawned"') == 1
+
+
+def test_requests_during_a_rolled_back_reload_wait_instead_of_503(gateway_factory):
+    """A single-worker model whose reload's new arguments fail: requests sent meanwhile wait
+    for the rollback and run (they got 503 "every worker of it failed … in 300 s" while the
+    trial start was in its crash loop; a fresh tester's find)."""
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      llama_server={"threads": 1, "restart_backoff_initial_s": 0.2,
+                                    "restart_backoff_max_s": 0.5, "crash_loop_restarts": 3,
+                                    "failed_retry_s": 300},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    bad = yaml.safe_load(gw.cfg_path.read_text())
+    bad["models"][0]["args"] = ["--definitely-not-a-flag"]
+    gw.cfg_path.write_text(yaml.safe_dump(bad))
+    body = {"model": "demo", "prompt": "x", "raw": True, "stream": False,
+            "options": {"num_predict": 3}}
+    with cf.ThreadPoolExecutor(8) as ex:
+        reload = ex.submit(httpx.post, gw.url + "/gateway/api/admin/reload",
+                           headers={"Authorization": "Bearer t"}, timeout=120)
+        sent = []
+        while not reload.done():
+            sent.append(ex.submit(httpx.post, gw.url + "/api/generate", json=body, timeout=120))
+            time.sleep(0.3)
+        answers = [f.result(120) for f in sent]
+    assert reload.result().status_code == 400 and reload.result().json()["rolled_back"] == ["demo-cpu0"]
+    assert len(answers) >= 3 and [a.status_code for a in answers] == [200] * len(answers), \
+        [(a.status_code, a.text[:120]) for a in answers]
