@@ -44,12 +44,14 @@ _FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q
            25: "IQ4_NL", 26: "IQ3_S", 28: "IQ4_XS", 32: "BF16"}
 
 
-def _open_gguf(reader, path: Path):
-    """``reader(path)`` (gguf's GGUFReader). Raises OSError, or ValueError for any file it
-    cannot parse: a cut-short file made it raise IndexError (a traceback and exit 1 at start,
-    a 500 on reload; a fresh tester's find)."""
+def _open_gguf(path: Path):
+    """gguf's GGUFReader on ``path``. Raises OSError, or ValueError for any file it cannot
+    parse: a cut-short file made it raise IndexError (a traceback and exit 1 at start, a 500
+    on reload; a fresh tester's find)."""
+    from gguf import GGUFReader
+
     try:
-        return reader(str(path), "r")
+        return GGUFReader(str(path), "r")
     except (OSError, ValueError):
         raise
     except Exception as e:  # noqa: BLE001 — the parser's own failures on a malformed file
@@ -74,10 +76,9 @@ class GGUFFacts:
 
     @classmethod
     def read(cls, path: Path) -> "GGUFFacts":
-        from gguf import GGUFReader
         from gguf.constants import GGUFValueType
 
-        r = _open_gguf(GGUFReader, path)
+        r = _open_gguf(path)
         kv: dict = {}
         has_fim = any(k in r.fields for k in _FIM_KEYS)
         tok_field = r.fields.get("tokenizer.ggml.tokens")
@@ -109,11 +110,10 @@ class GGUFFacts:
         ``merges``, ``token_type`` …), whole: ``/api/show`` with ``verbose`` (Ollama's
         ``getModelData`` loads them then). Reads the file again (memory-mapped); the vocabulary
         of a large model takes about a second. Raises OSError/ValueError as ``read``."""
-        from gguf import GGUFReader
         from gguf.constants import GGUFValueType
 
         out = {}
-        for name, f in _open_gguf(GGUFReader, path).fields.items():
+        for name, f in _open_gguf(path).fields.items():
             if f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > 5:
                 out[name] = f.contents()
         return out

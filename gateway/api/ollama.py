@@ -289,6 +289,28 @@ async def _end_with_error(out: web.StreamResponse, message: str) -> web.StreamRe
     return out
 
 
+async def _render(gw, model: str, msgs: list[dict] | None, think, *, text: str = "",
+                  context: list[int] | tuple = ()) -> str:
+    """The prompt text a worker's ``/completion`` gets, made by side calls before admission:
+    ``msgs`` through the chat template (None: ``text`` as it is), with ``context`` detokenized
+    in front. An overflow gets admission's answer first, before any side call, as fast as a
+    chat (``refuse_early``). Raises ApiError: that refusal (its status, text and Retry-After,
+    as ``_refused`` answers it) or a side call's failure in Ollama's words
+    (``upstream_error_text``)."""
+    try:
+        refuse_early(gw, model)
+        if msgs is not None:
+            text = await apply_template(gw, model, msgs, **_think_kwargs(think))
+        if context:
+            text = await detokenize(gw, model, context) + text
+        return text
+    except (Unavailable, QueueFull) as e:  # no worker can render it: refused like admission would
+        raise admission_error(e, gw.config.queue.retry_after_s) from None
+    except UpstreamError as e:
+        msg, status = upstream_error_text(e)
+        raise ApiError(status, msg) from None
+
+
 def _refused(gw, e: Exception) -> web.Response:
     """Admission's refusal (``QueueFull``, ``QueueTimeout`` or an ``Unavailable``, see
     ``errors.admission_error``) as Ollama's ``{"error": ...}`` with its status and Retry-After."""
@@ -339,14 +361,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         # expected peg-native format" for about a quarter of grammar-conforming answers (a
         # fresh tester's find; /api/generate, which takes this path, never failed).
         path = "/completion"
-        try:
-            refuse_early(gw, entry.name)
-            rendered = await apply_template(gw, entry.name, msgs, **_think_kwargs(think))
-        except (Unavailable, QueueFull) as e:
-            return _refused(gw, e)
-        except UpstreamError as e:
-            msg, status = upstream_error_text(e)
-            return ollama_error(status, msg)
+        rendered = await _render(gw, entry.name, msgs, think)
         up = {"stream": True, "cache_prompt": True, "prompt": rendered,
               **_sampling(request, body), **fmt}
         if lp or top:
@@ -433,21 +448,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _done_only(gw, entry, name, keep_alive, chat=False)
     entry.touch(keep_alive)
     sampling = _sampling(request, body)
-    try:
-        # Overflow gets its 503 before the prompt is rendered on a worker, as fast as a chat.
-        refuse_early(gw, entry.name)
-        rendered = prompt
-        if not raw and not suffix:
-            msgs = ([{"role": "system", "content": system}] if system else []) + \
-                [{"role": "user", "content": prompt}]
-            rendered = await apply_template(gw, entry.name, msgs, **_think_kwargs(think))
-        if context:
-            rendered = await detokenize(gw, entry.name, context) + rendered
-    except (Unavailable, QueueFull) as e:  # no worker can render it: refused like admission would
-        return _refused(gw, e)
-    except UpstreamError as e:
-        msg, status = upstream_error_text(e)
-        return ollama_error(status, msg)
+    msgs = None  # raw and suffix (FIM) prompts go as they are
+    if not raw and not suffix:
+        msgs = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": prompt}]
+    rendered = await _render(gw, entry.name, msgs, think, text=prompt, context=context)
     up: dict = {"stream": True, "cache_prompt": True, **sampling,
                 **format_fields(body.get("format"), chat=False)}
     if lp or top:
