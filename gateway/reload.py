@@ -7,7 +7,8 @@ Then apply only the difference (:func:`gateway.config.diff_plans`):
 
 * settings without processes (queue, timeouts, generation, log, shutdown, admin, model
   priorities/aliases) take effect at once for new requests;
-* ``added`` workers start (they join rotation when ready);
+* ``added`` workers start (they join rotation when ready); one that does not become ready
+  is removed again (``Reloader._check_added``);
 * ``changed`` workers restart one at a time: drain (no new leases; running requests finish,
   up to ``shutdown.drain_s``), stop, start with the new plan (e.g. a new ``-np`` after a slot
   change), wait until ready, then the next one. Meanwhile requests go to the model's other
@@ -176,6 +177,7 @@ class Reloader:
             fleet.add_worker(plan)
         res.changed = await self._roll_out(diff.changed, drain_s,
                                            new.llama_server.startup_timeout_s, res)
+        await self._check_added(diff.added, drain_s, new.llama_server.startup_timeout_s, res)
         for plan in diff.removed:  # no new leases; a model left without workers is refused
             fleet.retire(plan.id)
         gw.admission.refuse_queued()  # its queued requests now, not after the drain and stop
@@ -184,6 +186,40 @@ class Reloader:
         log.info("config.reloaded", path=self.path, added=res.added, changed=res.changed,
                  removed=res.removed, unchanged=len(res.unchanged), rolled_back=res.rolled_back)
         return res
+
+    async def _check_added(self, added: list, drain_s: float, ready_timeout_s: float,
+                           res: ReloadResult) -> None:
+        """Wait for the ``added`` workers (started before the roll-out, so they load meanwhile)
+        to become ready. One that does not (``failed`` in a crash loop, or not ready within
+        ``ready_timeout_s``) is removed again, as a changed worker is rolled back: ``res``
+        names it in ``rolled_back`` and ``errors`` (``ok`` false), and reloading the same
+        file tries it again (it answered 200 ``ok`` and crash-looped on; a fresh tester's
+        find). Workers that did start stay."""
+        fleet = self.gw.fleet
+        dispatcher = self.gw.admission.dispatcher
+        sups = [(p, fleet.supervisors[p.id]) for p in added if p.id in fleet.supervisors]
+        ok = await asyncio.gather(*(sup.wait_ready(ready_timeout_s) for _, sup in sups))
+        failed = {p.id for (p, _), ready in zip(sups, ok) if not ready}
+        for (plan, sup), ready in zip(sups, ok):
+            if ready:
+                continue
+            wid = plan.id
+            detail = sup.detail.partition("; next try in")[0]
+            why = f"{sup.state}: {detail}" if detail else sup.state
+            log.error("worker.reload_not_ready", worker=wid, state=sup.state, detail=sup.detail,
+                      not_restarted=[])
+            if all(w.id in failed for w in dispatcher.workers.values() if w.model == plan.model):
+                # the model is left without a worker: say why, not "removed by a reload"
+                dispatcher.not_started[plan.model] = why
+            fleet.retire(wid)
+            await fleet.remove_retired(wid, drain_s)
+            # not planned any more: the next reload's diff adds it again
+            self.gw.plans = [p for p in self.gw.plans if p.id != wid]
+            res.ok = False
+            res.added.remove(wid)
+            res.rolled_back.append(wid)
+            res.errors.append(f"worker {wid} did not become ready ({why}); it was removed "
+                              f"again; the rest of the file is in effect")
 
     async def _roll_out(self, changed: list, drain_s: float, ready_timeout_s: float,
                         res: ReloadResult) -> list[str]:

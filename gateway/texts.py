@@ -71,6 +71,13 @@ def no_workers(model: str) -> str:
             "found no NVIDIA GPU and cpu_fallback is 0); change the config and reload")
 
 
+def not_started(model: str, why: str) -> str:
+    """A request for a configured ``model`` whose only workers a config reload added and then
+    removed again because they did not start (``why``: the worker's state and reason)."""
+    return (f"model '{model}' has no running worker: the config reload that added it could not "
+            f"start its worker ({why}); fix the config and reload")
+
+
 def model_removed(model: str) -> str:
     """A request for ``model`` after a config reload removed it (every worker stopped)."""
     return f"model '{model}' not found (removed from the gateway's config by a reload)"

@@ -206,6 +206,11 @@ class WorkerProcess:
         self.api_key = ""
         self.proc: asyncio.subprocess.Process | None = None
         self._pipes: list[asyncio.Task] = []
+        #: The first error line llama-server wrote (its timestamp and level letter removed),
+        #: usually the most specific reason it gives for exiting (``error: invalid argument:
+        #: --x``; ``llama_model_load: error loading model: …``, before the lines that repeat it
+        #: less precisely); None while it wrote none.
+        self.first_error: str | None = None
         self.log = get_logger("workers.process", worker=spec.worker_id, gpu=spec.gpu_label)
         self._operator_verbosity = spec.operator_verbosity
 
@@ -266,6 +271,8 @@ class WorkerProcess:
         level = parts[1] if len(parts) > 2 and len(parts[1]) == 1 else ""
         if level == "E" or (not level and text.startswith("error")):
             self.log.error("worker.output", stream=stream, line=text)
+            if self.first_error is None:
+                self.first_error = (parts[2] if level else text)[:300]
         elif level == "W" and not any(b in text for b in ROUTINE_WARNINGS):
             self.log.warning("worker.output", stream=stream, line=text)
         elif self._operator_verbosity:

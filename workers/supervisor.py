@@ -348,7 +348,8 @@ class WorkerSupervisor:
             if self._stopping:
                 return "stopping"
             if exit_task.done():
-                return f"exited during startup with status {exit_task.result()}"
+                why = f": {proc.first_error}" if proc.first_error else ""
+                return f"exited during startup with status {exit_task.result()}{why}"
             if time.monotonic() > deadline:
                 return f"startup timeout after {self.startup_timeout_s:g} s"
             try:

@@ -29,8 +29,8 @@ from gateway.api.capabilities import model_capabilities, require
 from gateway.api.common import (make_ticket, note_upstream_error, read_json, start_stream, t0_ns,
                                 visible_entries)
 from gateway.api.errors import ApiError, admission_error, ollama_error
+from gateway.api.render import render_prompt, upstream_error_text
 from gateway.api.ollama_mapping import (
-    CONTEXT_OVERFLOW_MESSAGE,
     StreamState,
     format_fields,
     is_unload,
@@ -44,7 +44,7 @@ from gateway.inventory import GGUFFacts, ModelEntry, now_utc_z
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease
 from gateway.upstream import UpstreamError, iter_sse_batches
-from gateway.worker_calls import apply_template, detokenize, refuse_early, tokenize
+from gateway.worker_calls import tokenize
 
 log = get_logger("gateway.api.ollama")
 
@@ -289,45 +289,11 @@ async def _end_with_error(out: web.StreamResponse, message: str) -> web.StreamRe
     return out
 
 
-async def _render(gw, model: str, msgs: list[dict] | None, think, *, text: str = "",
-                  context: list[int] | tuple = ()) -> str:
-    """The prompt text a worker's ``/completion`` gets, made by side calls before admission:
-    ``msgs`` through the chat template (None: ``text`` as it is), with ``context`` detokenized
-    in front. An overflow gets admission's answer first, before any side call, as fast as a
-    chat (``refuse_early``). Raises ApiError: that refusal (its status, text and Retry-After,
-    as ``_refused`` answers it) or a side call's failure in Ollama's words
-    (``upstream_error_text``)."""
-    try:
-        refuse_early(gw, model)
-        if msgs is not None:
-            text = await apply_template(gw, model, msgs, **_think_kwargs(think))
-        if context:
-            text = await detokenize(gw, model, context) + text
-        return text
-    except (Unavailable, QueueFull) as e:  # no worker can render it: refused like admission would
-        raise admission_error(e, gw.config.queue.retry_after_s) from None
-    except UpstreamError as e:
-        msg, status = upstream_error_text(e)
-        raise ApiError(status, msg) from None
-
-
 def _refused(gw, e: Exception) -> web.Response:
     """Admission's refusal (``QueueFull``, ``QueueTimeout`` or an ``Unavailable``, see
     ``errors.admission_error``) as Ollama's ``{"error": ...}`` with its status and Retry-After."""
     err = admission_error(e, gw.config.queue.retry_after_s)
     return ollama_error(err.status, err.message, err.headers)
-
-
-def upstream_error_text(e: UpstreamError) -> tuple[str, int]:
-    """An upstream failure as (Ollama message, status): an over-long prompt is 400 with Ollama's
-    runner text; other worker 4xx keep their status; transport faults 502/503/504; else 500."""
-    if e.kind == "exceed_context_size_error" or "exceeds the available context size" in e.message:
-        # with the numbers when the worker gave them (upstream.parse_error_body)
-        return (e.message if e.message.startswith(CONTEXT_OVERFLOW_MESSAGE)
-                else CONTEXT_OVERFLOW_MESSAGE), 400
-    if 400 <= e.status < 500 or e.status in (502, 503, 504):
-        return e.message, e.status
-    return e.message, 500
 
 
 async def prepare_ndjson(request: web.Request) -> web.StreamResponse:
@@ -361,7 +327,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         # expected peg-native format" for about a quarter of grammar-conforming answers (a
         # fresh tester's find; /api/generate, which takes this path, never failed).
         path = "/completion"
-        rendered = await _render(gw, entry.name, msgs, think)
+        rendered = await render_prompt(gw, entry.name, msgs, template_fields=_think_kwargs(think))
         up = {"stream": True, "cache_prompt": True, "prompt": rendered,
               **_sampling(request, body), **fmt}
         if lp or top:
@@ -452,7 +418,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not raw and not suffix:
         msgs = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": prompt}]
-    rendered = await _render(gw, entry.name, msgs, think, text=prompt, context=context)
+    rendered = await render_prompt(gw, entry.name, msgs, template_fields=_think_kwargs(think),
+                                   text=prompt, context=context)
     up: dict = {"stream": True, "cache_prompt": True, **sampling,
                 **format_fields(body.get("format"), chat=False)}
     if lp or top:
@@ -569,6 +536,9 @@ async def show(request: web.Request) -> web.Response:
     if not body.get("model") and body.get("name"):
         body["model"] = body["name"]
     entry = resolve_model(request, body, missing_status=400)
+    verbose = body.get("verbose")
+    if verbose is not None and not isinstance(verbose, bool):  # Ollama: a JSON unmarshal 400
+        raise ApiError(400, "verbose must be a boolean")
     gw = _gw(request)
     ctx = gw.context_per_slot(entry.name)
     caps = await model_capabilities(gw, entry)
@@ -584,7 +554,7 @@ async def show(request: web.Request) -> web.Response:
                      + (f"# llama-server args: {args}\n" if args else ""),
         "parameters": "\n".join(params),
         "template": template, "system": "", "details": entry.details(),
-        "model_info": await _model_info(entry, ctx, body.get("verbose") is True),
+        "model_info": await _model_info(entry, ctx, verbose is True),
         "capabilities": caps,
         "modified_at": entry.modified_at.isoformat(),
     }, dumps=_dumps)

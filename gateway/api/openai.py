@@ -5,7 +5,9 @@ with the model name canonicalised; a stream is relayed event by event with usage
 (see ``_relay_stream``). A non-streamed request is streamed from the worker too and folded into
 the object llama-server would have answered (``openai_fold``), so a client that leaves stops
 the worker within about 0.5 s and the first-byte watchdog covers it; only chat with
-``logprobs`` and ``tools``, which llama-server refuses to stream, goes up non-streamed.
+``logprobs`` and ``tools``, which llama-server refuses to stream, goes up non-streamed. A chat
+with a JSON ``response_format`` runs as a completion of the rendered chat template
+(``openai_structured``).
 Errors use the OpenAI error object (Ollama openai.NewError shape); a model that is not served
 or that the API key may not use is OpenAI's 404 ``model_not_found``
 (gateway/api/errors.py ``model_not_found_v1``).
@@ -20,11 +22,13 @@ from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN
 from gateway.api.common import (make_ticket, note_upstream_error, read_json, start_stream,
                                 visible_entries)
-from gateway.api.capabilities import require
+from gateway.api import openai_structured
+from gateway.api.capabilities import model_capabilities, require
 from gateway.api.errors import (ApiError, admission_error, model_not_found_v1, openai_error,
                                 openai_error_body, resolve_v1_model)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.api.openai_usage import UsageSum
+from gateway.api.render import render_prompt
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage, note_usage
 from gateway import sizing
 from gateway.upstream import UpstreamError, error_event, iter_sse_batches, read_all
@@ -77,7 +81,11 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     for k, kinds, what in (("response_format", dict, "an object"),
                            ("logit_bias", (dict, list), "an object")):
         if body.get(k) is not None and not isinstance(body[k], kinds):
-            raise ApiError(400, f"{k} must be {what}, got {orjson.dumps(body[k]).decode()[:40]}")
+            raise ApiError(400, f"{k} must be {what}, got {_short(body[k])}")
+    if body.get("response_format") is not None:
+        _check_response_format(body["response_format"])
+    if body.get("logit_bias") is not None:
+        _check_logit_bias(body["logit_bias"], entry.facts.n_vocab)
     if required == "messages" and body.get("top_logprobs") is not None:
         top = body["top_logprobs"]
         _check_int("top_logprobs", top)
@@ -93,6 +101,13 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                             f"{orjson.dumps(include_usage).decode()}")
     include_usage = include_usage is True
     body["model"] = entry.name
+    convert = None  # a completion's events turned into chat chunks (openai_structured)
+    schema = openai_structured.completion_schema(body) if required == "messages" else None
+    if schema is not None and "thinking" not in await model_capabilities(gw, entry):
+        prompt = await render_prompt(gw, entry.name, body["messages"],
+                                     template_fields=openai_structured.template_fields(body))
+        body = openai_structured.completion_body(body, prompt, schema)
+        path, convert = "/v1/completions", openai_structured.ChatChunks()
     # A non-streamed request is streamed from the worker and folded (module doc); its
     # stream_options change nothing the client sees, as llama-server ignores them then.
     per_prompt = sizing.choices(body)  # tasks per prompt, which groups the usages to sum
@@ -114,7 +129,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         async with gw.upstream.request(ticket, path, body) as (lease, resp):
             note_lease(request, lease)
             if fold is not None:
-                answer = await _fold_stream(request, resp, fold)
+                answer = await _fold_stream(request, resp, fold, convert)
                 note_usage(request, answer["usage"])
                 return web.Response(body=orjson.dumps(answer), content_type="application/json")
             if not stream:
@@ -126,7 +141,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 # first token (0.08-0.12 ms of TTFT on the 2-core development machine, README
                 # "Same-run comparisons"); a long one with its first event (_relay_stream).
                 started.append(await start_stream(request, "text/event-stream"))
-            await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt))
+            await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt),
+                                convert)
             out = started[0]
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         err = admission_error(e, gw.config.queue.retry_after_s)
@@ -141,6 +157,63 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         await out.write(_sse(openai_error_body(status, e.message)))
     await out.write_eof()
     return out
+
+
+def _short(v) -> str:
+    return orjson.dumps(v).decode()[:40]
+
+
+#: OpenAI's ``response_format.type`` values (llama-server's too, server-common.cpp).
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _check_response_format(rf: dict) -> None:
+    """Raise ApiError(400) for a ``response_format`` llama-server would drop without a word: a
+    ``type`` that is not one of OpenAI's strings (llama-server reads a non-string as absent and
+    runs unconstrained; an unknown string it refuses itself), or a ``json_schema`` /
+    ``json_schema.schema`` / ``schema`` that is not an object (read as "any object")."""
+    t = rf.get("type")
+    if t not in _RESPONSE_FORMATS:
+        raise ApiError(400, f"response_format.type must be one of 'text', 'json_object' or "
+                            f"'json_schema', got {_short(t)}")
+    if t == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise ApiError(400, f"response_format.json_schema must be an object, got {_short(js)}")
+        if js.get("schema") is not None and not isinstance(js["schema"], dict):
+            raise ApiError(400, "response_format.json_schema.schema must be an object, got "
+                                f"{_short(js['schema'])}")
+    if t == "json_object" and rf.get("schema") is not None and not isinstance(rf["schema"], dict):
+        raise ApiError(400, f"response_format.schema must be an object, got {_short(rf['schema'])}")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_logit_bias(lb, n_vocab: int) -> None:
+    """Raise ApiError(400) for a ``logit_bias`` llama-server would skip without a word: an
+    object whose values are not numbers (``false`` bans the token, llama-server's extension),
+    a list that is not of ``[token, bias]`` pairs (token id or text), or a token id outside the
+    vocabulary of ``n_vocab`` tokens (0: not known, unchecked); server-schema.cpp
+    ``logit_bias``. An object key that is not an integer is text, as llama-server reads it."""
+    pairs = []
+    if isinstance(lb, dict):
+        for k, v in lb.items():
+            if not (_is_number(v) or v is False):
+                raise ApiError(400, f"logit_bias[{_short(k)}] must be a number, got {_short(v)}")
+            pairs.append((int(k) if k.lstrip("-").isdigit() else k, k))
+    else:
+        for i, pair in enumerate(lb):
+            if not (isinstance(pair, list) and len(pair) == 2 and
+                    (isinstance(pair[0], str) or (isinstance(pair[0], int) and not isinstance(pair[0], bool)))
+                    and (_is_number(pair[1]) or pair[1] is False)):
+                raise ApiError(400, f"logit_bias[{i}] must be a [token, bias] pair, got {_short(pair)}")
+            pairs.append((pair[0], pair[0]))
+    for tok, shown in pairs:
+        if isinstance(tok, int) and (tok < 0 or (n_vocab and tok >= n_vocab)):
+            raise ApiError(400, f"logit_bias token {shown} is outside the model's vocabulary "
+                                f"of {n_vocab} tokens")
 
 
 def _has_image(messages: list) -> bool:
@@ -196,7 +269,7 @@ def _check_int(key: str, v) -> None:
     if isinstance(v, float) and v.is_integer() and not INT64_MIN <= v <= INT64_MAX:
         raise ApiError(400, f"{key} is out of range for a 64-bit integer")
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"{key} must be an integer, got {orjson.dumps(v).decode()[:40]}")
+        raise ApiError(400, f"{key} must be an integer, got {_short(v)}")
     if not INT64_MIN <= v <= INT64_MAX:
         raise ApiError(400, f"{key} is out of range for a 64-bit integer")
 
@@ -245,7 +318,7 @@ def _sse(obj) -> bytes:
 
 
 async def _relay_stream(request: web.Request, resp, started: list,
-                        include_usage: bool, usage: UsageSum) -> None:
+                        include_usage: bool, usage: UsageSum, convert=None) -> None:
     """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
     with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
     it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
@@ -260,7 +333,8 @@ async def _relay_stream(request: web.Request, resp, started: list,
     Unless the caller started it, the client's 200 stream starts (``start_stream``, appended to
     ``started``) with the first event to send: a failure before it, such as ``first_byte_s``
     running out while the worker computes a long prompt (its stream has begun: headers and
-    progress events), is still answered with its status and an OpenAI error object."""
+    progress events), is still answered with its status and an OpenAI error object.
+    ``convert``: applied to each batch of payloads first (``openai_structured.ChatChunks``)."""
     head: dict | None = None  # the first usage event, less its choices, usage and timings
 
     async def write(data: bytes) -> None:
@@ -270,6 +344,8 @@ async def _relay_stream(request: web.Request, resp, started: list,
 
     async for batch in iter_sse_batches(resp):
         note_first_byte(request)
+        if convert is not None:
+            batch = convert(batch)
         parts: list[bytes] = []
         for data in batch:
             if b'"usage"' not in data and b'"error"' not in data:
@@ -297,13 +373,13 @@ async def _relay_stream(request: web.Request, resp, started: list,
     await write(last + b"data: [DONE]\n\n")
 
 
-async def _fold_stream(request: web.Request, resp, fold: OpenAIFold) -> dict:
+async def _fold_stream(request: web.Request, resp, fold: OpenAIFold, convert=None) -> dict:
     """Read the worker's whole stream into ``fold``; returns the non-streamed answer object
-    (``OpenAIFold.result``, which always has ``usage``).
+    (``OpenAIFold.result``, which always has ``usage``). ``convert``: as ``_relay_stream``'s.
     Raises UpstreamError for an error event, a broken stream or one that ended early."""
     async for batch in iter_sse_batches(resp):
         note_first_byte(request)
-        for data in batch:
+        for data in convert(batch) if convert is not None else batch:
             fold.add(orjson.loads(data))
     return fold.result()
 

@@ -7,12 +7,13 @@ the simulator drive the same objects.
 
 from gateway.scheduling.dispatcher import Dispatcher, QueueFull, TooLarge, TooManySlots
 from gateway.scheduling.lease import SlotLease
-from gateway.scheduling.refusals import (AllDrained, AllFailed, ModelRemoved, NoWorkers, ShuttingDown,
-                                        Unavailable)
+from gateway.scheduling.refusals import (AllDrained, AllFailed, ModelRemoved, NoWorkers, NotStarted,
+                                        ShuttingDown, Unavailable)
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.scorer import POLICIES, make_scorer
 from gateway.scheduling.worker_view import WorkerLoad, WorkerView
 
-__all__ = ["POLICIES", "AllDrained", "AllFailed", "Dispatcher", "ModelRemoved", "NoWorkers", "QueueFull",
+__all__ = ["POLICIES", "AllDrained", "AllFailed", "Dispatcher", "ModelRemoved", "NoWorkers", "NotStarted",
+           "QueueFull",
            "ShuttingDown", "SlotLease", "Ticket", "TooLarge", "TooManySlots", "Unavailable",
            "WorkerLoad", "WorkerView", "make_scorer"]

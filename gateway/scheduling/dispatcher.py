@@ -42,7 +42,8 @@ from typing import Callable, Iterable
 
 from gateway.scheduling.lease import SlotLease
 from gateway.scheduling.queue import AdmissionQueue
-from gateway.scheduling.refusals import AllDrained, AllFailed, ModelRemoved, NoWorkers, Unavailable
+from gateway.scheduling.refusals import (AllDrained, AllFailed, ModelRemoved, NoWorkers, NotStarted,
+                                         Unavailable)
 from gateway.scheduling.scorer import LeastLoaded, Scorer
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.worker_view import WorkerLoad, WorkerView
@@ -101,6 +102,9 @@ class Dispatcher:
         self.queue = AdmissionQueue(aging_s=aging_s)
         self.workers: dict[str, WorkerView] = {}
         self.removed: set[str] = set()  # models whose last worker was removed (reload)
+        #: models whose only workers a reload added and removed again, as they did not start:
+        #: why (``NotStarted``); set by the reloader, cleared when a worker of it is added
+        self.not_started: dict[str, str] = {}
         self._order = 0
 
     # ---- fleet -------------------------------------------------------------------------
@@ -119,6 +123,7 @@ class Dispatcher:
         self._order += 1
         self.workers[worker_id] = w
         self.removed.discard(model)
+        self.not_started.pop(model, None)
         return w
 
     def remove_worker(self, worker_id: str) -> None:
@@ -365,13 +370,16 @@ class Dispatcher:
 
         ``ModelRemoved`` when a reload removed (or is removing: ``retire``) its last worker;
         ``NoWorkers`` when no worker of it was ever registered (its config plans none here;
-        workers are registered before the gateway serves); ``AllDrained`` when the operator
+        workers are registered before the gateway serves); ``NotStarted`` when a reload added
+        its workers and removed them again; ``AllDrained`` when the operator
         drained every worker; ``AllFailed`` when every worker is crash-loop ``failed`` or
         operator-drained with at least one failed (its Retry-After: the earliest next try).
         """
         of_model = [w for w in self.workers.values() if w.model == model]
         ws = [w for w in of_model if not w.retiring]
         if not ws:
+            if model in self.not_started:
+                return NotStarted(model, self.not_started[model])
             return ModelRemoved(model) if model in self.removed or of_model else NoWorkers(model)
         if not all(w.failed or (w.draining and w.held) for w in ws):
             return None

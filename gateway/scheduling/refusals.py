@@ -20,6 +20,8 @@ ModelRemoved   404    a config reload removed the model (its last    none: the m
                                                                      unknown model with 404
 NoWorkers      503    the config plans no worker for the model on    none: only a config change
                       this machine (no GPU and cpu_fallback 0)       helps
+NotStarted     503    a reload added the model, but its workers did  none: only a config change
+                      not start and were removed again               helps
 ============== ====== ============================================= ===========================
 
 Retry-After is sent only where a retry can help (RFC 9110 §10.2.3: seconds the client should
@@ -28,8 +30,8 @@ wait). The texts live in ``gateway.texts``.
 
 from __future__ import annotations
 
-from gateway.texts import (all_drained, model_removed, no_workers, shutting_down_queued,
-                          workers_failed)
+from gateway.texts import (all_drained, model_removed, no_workers, not_started,
+                          shutting_down_queued, workers_failed)
 
 
 class Unavailable(Exception):
@@ -111,3 +113,14 @@ class NoWorkers(Unavailable):
 
     def __init__(self, model: str):
         super().__init__(model, no_workers(model))
+
+
+class NotStarted(Unavailable):
+    """The model is configured, but a config reload that added its workers removed them again
+    because they did not start (``gateway.reload.Reloader._check_added``; ``why``: the worker's
+    state and llama-server's reason). 503 at once, no Retry-After: only a config change helps."""
+
+    retry = False
+
+    def __init__(self, model: str, why: str):
+        super().__init__(model, not_started(model, why))

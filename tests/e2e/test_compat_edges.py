@@ -88,6 +88,19 @@ def test_embedding_batch_larger_than_queue_is_served(gw):
     ("response_format", "json", 'response_format must be an object, got "json"'),
     ("logit_bias", "x", 'logit_bias must be an object, got "x"'),
     ("top_logprobs", 21, "top_logprobs must be between 0 and 20"),
+    # also dropped without a word by llama-server: a type that is not a string, a schema that
+    # is not an object, logit_bias entries it cannot read or token ids outside the vocabulary
+    ("response_format", {"type": 5},
+     "response_format.type must be one of 'text', 'json_object' or 'json_schema', got 5"),
+    ("response_format", {"type": "json_schema", "json_schema": "x"},
+     'response_format.json_schema must be an object, got "x"'),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": []}},
+     "response_format.json_schema.schema must be an object, got []"),
+    ("logit_bias", [1, 2], "logit_bias[0] must be a [token, bias] pair, got 1"),
+    ("logit_bias", {"5": "x"}, 'logit_bias["5"] must be a number, got "x"'),
+    ("logit_bias", {"100000": -1}, "logit_bias token 100000 is outside the model's vocabulary "
+                                   "of 559 tokens"),
+    ("logit_bias", [[-1, 2]], "logit_bias token -1 is outside the model's vocabulary of 559 tokens"),
     ("top_logprobs", 10 ** 30, "top_logprobs is out of range for a 64-bit integer")])
 def test_v1_wrong_types_are_400(gw, field, value, msg):
     r = httpx.post(gw.url + "/v1/chat/completions", json={
@@ -99,7 +112,7 @@ def test_v1_wrong_types_are_400(gw, field, value, msg):
 def test_v1_top_logprobs_in_range_and_logit_bias_as_a_list_still_run(gw):
     r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
         "model": "demo", "max_tokens": 2, "logprobs": True, "top_logprobs": 20,
-        "logit_bias": [[5, -1.0]], "messages": [{"role": "user", "content": "hi"}]})
+        "logit_bias": [[5, -1.0], ["hi", False]], "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
 

@@ -248,6 +248,9 @@ def test_show_empties_long_arrays_and_verbose_gives_them_whole(gw):
     assert all(isinstance(t, str) for t in full["tokenizer.ggml.tokens"])
     assert {k: v for k, v in full.items() if not isinstance(v, list) or len(v) <= 5} == \
         {k: v for k, v in short.items() if v != []}
+    # a wrong-typed verbose is Ollama's 400 (a JSON unmarshal error there), not ignored
+    bad = httpx.post(gw.url + "/api/show", json={"model": "demo", "verbose": "yes"}, timeout=30)
+    assert bad.status_code == 400 and bad.json() == {"error": "verbose must be a boolean"}
 
 
 def test_system_and_options_reach_worker(client):

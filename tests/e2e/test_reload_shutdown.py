@@ -691,6 +691,20 @@ def test_admin_restart_of_a_crash_looping_worker_answers_when_it_fails(gateway_f
     assert w["state"] == "failed" and w["crash_loops"] >= 1, w
 
 
+def _quick_crash_loop_gateway(gateway_factory, cpu: int):
+    """A gateway (admin token "t") serving demo on ``cpu`` workers whose crash loops are
+    called within about 2 s; returns (config, gateway, worker pids by id, admin headers, a
+    copy of the config file to spoil)."""
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      llama_server={"threads": 1, "restart_backoff_initial_s": 0.2,
+                                    "restart_backoff_max_s": 0.5, "crash_loop_restarts": 3},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": cpu}])
+    gw = gateway_factory(cfg)
+    before = {w["id"]: w["pid"] for w in gw.workers()}
+    return cfg, gw, before, {"Authorization": "Bearer t"}, yaml.safe_load(gw.cfg_path.read_text())
+
+
 def test_reload_whose_new_args_break_the_worker_rolls_it_back_and_stops(gateway_factory):
     """A reload that gives the model an argument llama-server refuses: the first worker
     restarted with it fails (crash loop), is started again with its previous command line,
@@ -698,15 +712,7 @@ def test_reload_whose_new_args_break_the_worker_rolls_it_back_and_stops(gateway_
     400 naming the rolled-back worker (it restarted every worker into ``failed``, one
     ``startup_timeout_s`` each, and answered 200 ``ok``; a fresh tester's find). A later
     reload of the fixed file finds nothing to restart."""
-    cfg = base_config(free_port(), admin={"token": "t"},
-                      llama_server={"threads": 1, "restart_backoff_initial_s": 0.2,
-                                    "restart_backoff_max_s": 0.5, "crash_loop_restarts": 3},
-                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
-                               "context": 512, "cpu": 2}])
-    gw = gateway_factory(cfg)
-    before = {w["id"]: w["pid"] for w in gw.workers()}
-    admin = {"Authorization": "Bearer t"}
-    bad = yaml.safe_load(gw.cfg_path.read_text())
+    cfg, gw, before, admin, bad = _quick_crash_loop_gateway(gateway_factory, cpu=2)
     bad["models"][0]["args"] = ["--definitely-not-a-flag"]
     gw.cfg_path.write_text(yaml.safe_dump(bad))
     for attempt in range(2):  # the same file again: the worker runs its old command, so again
@@ -719,7 +725,8 @@ def test_reload_whose_new_args_break_the_worker_rolls_it_back_and_stops(gateway_
         assert body["changed"] == [] and body["error"].startswith("config not fully applied: ")
         assert body["errors"] == [
             "worker demo-cpu0 did not become ready with its new settings (failed: crash loop: "
-            "3 restarts within 120 s (last: exited during startup with status 1)); it was "
+            "3 restarts within 120 s (last: exited during startup with status 1: error: "
+            "invalid argument: --definitely-not-a-flag)); it was "
             "started again with its previous settings, and demo-cpu1 kept theirs; the rest of "
             "the file is in effect"], body
         ws = {w["id"]: w for w in gw.wait_ready(60, n=2)}
@@ -735,6 +742,51 @@ def test_reload_whose_new_args_break_the_worker_rolls_it_back_and_stops(gateway_
     gw.cfg_path.write_text(yaml.safe_dump(cfg))  # the fix: what the workers run already
     r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=400)
     assert r.status_code == 200 and r.json()["changed"] == [] and r.json()["ok"] is True, r.text
+
+
+def test_reload_that_adds_a_worker_that_cannot_start_removes_it_again(gateway_factory):
+    """A reload that adds a model whose worker llama-server refuses to start: the worker is
+    removed again and the reload answers 400 naming it, with llama-server's own reason (it
+    answered 200 ``ok`` and left the worker crash-looping; a fresh tester's find). The model
+    already served keeps its worker; reloading a fixed file adds the new one."""
+    cfg, gw, before, admin, bad = _quick_crash_loop_gateway(gateway_factory, cpu=1)
+    bad["models"].append({"name": "other", "path": "builtin:demo", "slots": 1, "context": 512,
+                          "cpu": 1, "args": ["--definitely-not-a-flag"]})
+    gw.cfg_path.write_text(yaml.safe_dump(bad))
+    t0 = time.monotonic()
+    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=400)
+    assert time.monotonic() - t0 < 90  # the crash loop, not a startup timeout
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["ok"] is False and body["rolled_back"] == ["other-cpu0"] and body["added"] == []
+    assert body["errors"] == [
+        "worker other-cpu0 did not become ready (failed: crash loop: 3 restarts within 120 s "
+        "(last: exited during startup with status 1: error: invalid argument: "
+        "--definitely-not-a-flag)); it was removed again; the rest of the file is in effect"], body
+    assert body["error"] == "config not fully applied: " + body["errors"][0]
+    assert {w["id"]: w["pid"] for w in gw.workers()} == before
+    assert not any("--definitely-not-a-flag" in open(f"/proc/{pid}/cmdline").read()
+                   for pid in llama_server_pids())
+    out = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 3}})
+    assert out.status_code == 200, out.text
+    other = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "other", "prompt": "x", "raw": True, "stream": False})
+    assert other.status_code == 503 and "Retry-After" not in other.headers, other.text
+    assert other.json()["error"] == (
+        "model 'other:latest' has no running worker: the config reload that added it could not "
+        "start its worker (failed: crash loop: 3 restarts within 120 s (last: exited during "
+        "startup with status 1: error: invalid argument: --definitely-not-a-flag)); fix the "
+        "config and reload"), other.text
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'llama_gateway_config_reloads_total{result="rolled_back"} 1.0' in metrics, metrics
+    del bad["models"][1]["args"]
+    gw.cfg_path.write_text(yaml.safe_dump(bad))
+    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=400)
+    assert r.status_code == 200 and r.json()["added"] == ["other-cpu0"], r.text
+    out = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "other", "prompt": "x", "raw": True, "stream": False, "options": {"num_predict": 3}})
+    assert out.status_code == 200, out.text
 
 
 def test_sigterm_answers_a_running_admin_restart_at_once(tmp_path, gateway_factory):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gateway.scheduling import (AllDrained, AllFailed, Dispatcher, ModelRemoved, NoWorkers, QueueFull,
-                                Ticket, TooManySlots, Unavailable)
+from gateway.scheduling import (AllDrained, AllFailed, Dispatcher, ModelRemoved, NoWorkers,
+                                NotStarted, QueueFull, Ticket, TooManySlots, Unavailable)
 
 
 class FakeClock:
@@ -385,9 +385,29 @@ def test_a_model_without_any_planned_worker_is_refused_503_without_retry_after()
     assert d.submit(t(2)) is not None  # other models are not affected
 
 
+def test_a_model_whose_added_workers_did_not_start_is_refused_503_with_the_reason():
+    """A reload added the model, its worker did not start and was removed again
+    (gateway.reload ``_check_added`` sets ``not_started``): 503 naming the reason, not 404
+    "removed by a reload"; a worker of it added later clears it."""
+    d, _ = mk(n_workers=1, slots=1)
+    d.add_worker("n0", "new:latest", 1)
+    d.not_started["new:latest"] = "failed: crash loop"
+    d.retire("n0")
+    with pytest.raises(NotStarted) as e:  # already while it drains
+        d.submit(t(1, model="new:latest"))
+    d.remove_worker("n0")
+    why = d.refusal("new:latest")
+    assert isinstance(why, NotStarted) and why.status == 503 and why.headers(2) == {}
+    assert str(why) == ("model 'new:latest' has no running worker: the config reload that added "
+                        "it could not start its worker (failed: crash loop); fix the config "
+                        "and reload") == str(e.value)
+    d.add_worker("n1", "new:latest", 1)
+    assert d.refusal("new:latest") is None and "new:latest" not in d.not_started
+
+
 def test_refusals_are_unavailable():
     assert issubclass(AllDrained, Unavailable) and issubclass(AllFailed, Unavailable)
-    assert issubclass(ModelRemoved, Unavailable)
+    assert issubclass(ModelRemoved, Unavailable) and issubclass(NotStarted, Unavailable)
 
 
 def test_a_multi_slot_ticket_takes_its_slots_on_one_worker_with_that_many_free():

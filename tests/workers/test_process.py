@@ -123,6 +123,29 @@ def test_worker_command_line_errors_reach_the_log_as_errors(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bad,first", [
+    ([], "gguf_init_from_file: failed to open GGUF file "),
+    (["--bogus-flag"], "error: invalid argument: --bogus-flag")])
+def test_first_error_line_is_kept_as_the_reason(tmp_path, monkeypatch, bad, first):
+    """The first error line a real llama-server writes, without its timestamp and level
+    letter, is kept (``first_error``) for the supervisor's "exited during startup" reason: the
+    most specific one (the lines after it repeat it less precisely: "failed to load model",
+    "exiting due to model loading error")."""
+    monkeypatch.delenv("LLAMA_ARG_LOG_VERBOSITY", raising=False)
+
+    async def run():
+        p = WorkerProcess(spec(binary=ensure_llama_server(), model_path=tmp_path / "missing.gguf",
+                               gpus=(), log_verbosity=QUIET_LOG_VERBOSITY, extra_args=bad),
+                          state_dir=tmp_path / "run")
+        await p.start()
+        await asyncio.wait_for(p.wait(), 30)
+        return p.first_error
+
+    got = asyncio.run(run())
+    assert got is not None and got.startswith(first), got
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["args", "env"])
 def test_operator_verbosity_logs_worker_info_lines_at_info(tmp_path, monkeypatch, how):
     """The gateway below debug starts workers quiet; an operator who raised the worker's

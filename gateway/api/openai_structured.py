@@ -1,0 +1,111 @@
+"""``/v1/chat/completions`` with a JSON ``response_format``, run as Ollama runs structured
+output: the chat template applied by the gateway (``render.render_prompt``), then the worker's
+``/v1/completions`` under the schema's grammar, its events turned back into chat chunks.
+
+Why: llama-server's chat route parses the finished answer once more against the format's PEG
+parser (common/chat.cpp ``common_chat_peg_parse``) and answers 500 "The model produced output
+that does not match the expected peg-native format" for answers its own grammar let through
+(seen on the pinned build for 10 of 24 seeds of ``json_object`` on the demo model: text that
+is not valid UTF-8 inside a JSON string, answers cut by ``max_tokens``). The completion route
+does not parse the answer: it is the text the grammar allowed, as the client asked.
+
+The route is taken only where it gives the same answer as the chat route would: a
+``response_format`` of type ``json_object`` or ``json_schema``, no ``tools``, no ``logprobs``,
+no llama-server ``grammar`` / ``json_schema`` of the client's own, text-only messages (media
+need the chat route's projector handling), and a model whose chat template has no reasoning
+(``thinking`` capability): the chat route's grammar lets such a model reason before the JSON,
+and its parser splits the reasoning off into ``reasoning_content``.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+#: ``/apply-template`` fields of a chat body that change the rendered prompt (llama-server
+#: ``oaicompat_chat_params_parse``); everything else of the chat body is sampling or output.
+TEMPLATE_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                   "reasoning_effort")
+
+#: Chat-only fields the completion body drops (they are rendered into the prompt, or are the
+#: format itself, given as ``json_schema``).
+_CHAT_ONLY = ("messages", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+              "reasoning_format") + TEMPLATE_FIELDS
+
+
+def completion_schema(body: dict) -> dict | None:
+    """The JSON schema a ``/v1/chat/completions`` ``body`` asks for when it can run as a
+    completion (module doc; ``{}``: any JSON object), else None. The model's ``thinking``
+    capability is the caller's to check. ``body`` was validated (``openai._check_response_format``)."""
+    rf = body.get("response_format")
+    if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
+        return None
+    if body.get("tools") or body.get("logprobs") or "grammar" in body or "json_schema" in body:
+        return None
+    for m in body.get("messages") or ():
+        c = m.get("content")
+        if isinstance(c, list) and any(p.get("type", "text") != "text" for p in c):
+            return None
+    if rf["type"] == "json_schema":
+        return rf["json_schema"].get("schema") or {}
+    return rf.get("schema") or {}
+
+
+def template_fields(body: dict) -> dict:
+    """The chat body's fields that ``/apply-template`` needs besides ``messages``."""
+    return {k: body[k] for k in TEMPLATE_FIELDS if k in body}
+
+
+def completion_body(body: dict, prompt: str, schema: dict) -> dict:
+    """The ``/v1/completions`` body for a chat ``body``: its sampling and output fields, the
+    rendered ``prompt`` and ``json_schema`` (llama-server turns an empty schema into "any
+    object", server-schema.cpp ``json_schema``)."""
+    up = {k: v for k, v in body.items() if k not in _CHAT_ONLY}
+    up["prompt"] = prompt
+    up["json_schema"] = schema
+    return up
+
+
+class ChatChunks:
+    """Turns the SSE payloads of llama-server's streamed ``/v1/completions`` answer into those
+    its ``/v1/chat/completions`` sends (shapes from the pinned build, recorded in
+    tests/api/openai_sse_recorded.json): each choice starts with a ``{"role": "assistant",
+    "content": null}`` delta; ``text`` becomes ``delta.content`` (``{}`` when empty);
+    ``object`` is ``chat.completion.chunk``; the ``usage`` (and ``timings``) that a completion
+    puts on its finish chunk come after it in a chunk of their own with ``choices: []``.
+    Payloads without choices (an error event) are left as they are.
+
+    Call it with one network read's batch (``upstream.iter_sse_batches``); returns the new
+    batch (bytes payloads)."""
+
+    def __init__(self) -> None:
+        self._started: set[int] = set()
+
+    def __call__(self, batch: list[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for data in batch:
+            ev = orjson.loads(data)
+            if not isinstance(ev, dict) or not ev.get("choices"):
+                out.append(data)
+                continue
+            usage, timings = ev.pop("usage", None), ev.pop("timings", None)
+            head = {k: v for k, v in ev.items() if k != "choices"}
+            head["object"] = "chat.completion.chunk"
+            for c in ev["choices"]:
+                i = c.get("index", 0)
+                if i not in self._started:
+                    self._started.add(i)
+                    out.append(orjson.dumps({"choices": [{
+                        "finish_reason": None, "index": i,
+                        "delta": {"role": "assistant", "content": None}}], **head}))
+                text = c.get("text") or ""
+                if not text and c.get("finish_reason") is None:
+                    continue  # nothing to say (llama-server's chat stream sends no such chunk)
+                out.append(orjson.dumps({"choices": [{
+                    "finish_reason": c.get("finish_reason"), "index": i,
+                    "delta": {"content": text} if text else {}}], **head}))
+            if usage is not None:
+                tail = {"choices": [], **head, "usage": usage}
+                if timings is not None:
+                    tail["timings"] = timings
+                out.append(orjson.dumps(tail))
+        return out

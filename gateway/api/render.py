@@ -1,0 +1,54 @@
+"""Prompts rendered by the gateway before admission, for chats it sends to llama-server's
+completion routes instead of its chat route: ``/api/generate`` and ``/api/chat`` with
+``format`` (gateway/api/ollama.py), and ``/v1/chat/completions`` with ``response_format``
+(gateway/api/openai_structured.py). Ollama renders every chat so (its runner completes a
+templated prompt).
+
+The text comes from side calls to a worker of the model (``gateway.worker_calls``): the chat
+template (llama-server ``/apply-template``) and an Ollama ``context`` detokenized in front
+(``/detokenize``).
+"""
+
+from __future__ import annotations
+
+from gateway.api.errors import ApiError, admission_error
+from gateway.scheduling import QueueFull, Unavailable
+from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
+from gateway.upstream import UpstreamError
+from gateway.worker_calls import apply_template, detokenize, refuse_early
+
+
+def upstream_error_text(e: UpstreamError) -> tuple[str, int]:
+    """An upstream failure as (message, status): an over-long prompt is 400 with Ollama's
+    runner text; other worker 4xx keep their status; transport faults 502/503/504; else 500."""
+    if e.kind == "exceed_context_size_error" or "exceeds the available context size" in e.message:
+        # with the numbers when the worker gave them (upstream.parse_error_body)
+        return (e.message if e.message.startswith(CONTEXT_OVERFLOW_MESSAGE)
+                else CONTEXT_OVERFLOW_MESSAGE), 400
+    if 400 <= e.status < 500 or e.status in (502, 503, 504):
+        return e.message, e.status
+    return e.message, 500
+
+
+async def render_prompt(gw, model: str, msgs: list[dict] | None, *,
+                        template_fields: dict | None = None, text: str = "",
+                        context: list[int] | tuple = ()) -> str:
+    """The prompt text a worker's completion route gets: ``msgs`` through the chat template
+    with the generation prompt (``template_fields``: more ``/apply-template`` body fields,
+    such as ``chat_template_kwargs``; ``msgs`` None: ``text`` as it is), with ``context``
+    (token ids) detokenized in front. An overflow gets admission's answer first, before any
+    side call (``refuse_early``). Raises ApiError: that refusal (its status, text and
+    Retry-After, ``errors.admission_error``) or a side call's failure
+    (:func:`upstream_error_text`)."""
+    try:
+        refuse_early(gw, model)
+        if msgs is not None:
+            text = await apply_template(gw, model, msgs, **(template_fields or {}))
+        if context:
+            text = await detokenize(gw, model, context) + text
+        return text
+    except (Unavailable, QueueFull) as e:  # no worker can render it: refused like admission would
+        raise admission_error(e, gw.config.queue.retry_after_s) from None
+    except UpstreamError as e:
+        msg, status = upstream_error_text(e)
+        raise ApiError(status, msg) from None
