@@ -19,6 +19,7 @@ from gateway.api import openai as openai_api
 from gateway.api import status_page
 from gateway.body_errors import GatewayAppRunner
 from gateway.config import ConfigError, GatewayConfig, ModelConfig, PlanDiff, WorkerPlan, diff_plans, plan_workers
+from gateway.texts import no_workers
 from gateway.drain import graceful_stop
 from gateway.expect import with_expect
 from gateway.fleet import Fleet
@@ -178,7 +179,9 @@ class Gateway:
                 if s.state == "backoff" and s.detail and details.get(s.id) != s.detail:
                     self.metrics.errors.add(s.id, s.detail)
                 details[s.id] = s.detail
-            if not sent_ready and sups and all(s.ready for s in sups):
+            # every worker ready; with none planned (no GPU, cpu_fallback 0) at once, so that
+            # systemd's start does not time out on a gateway that answers every request 503
+            if not sent_ready and all(s.ready for s in sups):
                 sent_ready = True
                 log.info("gateway.ready", workers=len(sups))
                 self.notifier.ready(self.fleet_status())
@@ -198,9 +201,19 @@ class Gateway:
         models = await self.load_models(cfg)
         self.inventory = Inventory(models[1])
         state_dir = cache_root() / "run" / f"{host.strip('[]')}_{port}"
+        try:  # the workers' pid files go there: without it no worker could be tracked
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the workers' run directory {state_dir} "
+                              f"($LLAMA_GATEWAY_CACHE, default ~/.cache/llama-gateway): "
+                              f"{e.strerror or e}", cfg.source) from None
         for pid in reap_stale_workers(state_dir):
             log.warning("gateway.stale_worker_reaped", pid=pid)
         plans = self.plans = plan_workers(cfg, detect_gpus())
+        for m in cfg.models:
+            if not any(p.model == m.full_name for p in plans):
+                log.warning("gateway.model_without_workers", model=m.full_name,
+                            reason=no_workers(m.full_name))
         self.fleet = Fleet(cfg, binary, models, self.admission, state_dir)
         self.fleet.build(plans)
         self.upstream = Upstream(self.admission, self.fleet.endpoint_of, cfg,

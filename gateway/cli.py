@@ -198,12 +198,22 @@ def main(argv: list[str] | None = None) -> int:
             if problems:
                 sys.stderr.write(f"llama-gateway: invalid config\n{ConfigError(problems, cfg.source)}\n")
                 return 2
-            for w in plan_workers(cfg, detect_gpus()):
+            from gateway.texts import no_workers
+            try:
+                plans = plan_workers(cfg, detect_gpus())
+            except ConfigError as e:  # e.g. gpus: [0] on a machine without an NVIDIA GPU
+                sys.stderr.write(f"llama-gateway: invalid config\n{e}\n")
+                return 2
+            for w in plans:
                 ctx = slot_context(w.context, trained.get(w.model, 0))
                 capped = (f" (capped from {w.context}: the model's training context)"
                           if ctx < w.context else "")
                 sys.stdout.write(f"{w.id}\tmodel={w.model}\tgpus={list(w.gpus) or 'cpu'}\t"
                                  f"slots={w.slots}\tcontext/slot={ctx}{capped}\n")
+            planned = {w.model for w in plans}
+            for m in cfg.models:  # what serve answers its requests, said before it starts
+                if m.full_name not in planned:
+                    sys.stdout.write(f"-\tmodel={m.full_name}\tno worker: {no_workers(m.full_name)}\n")
             return 0
         from gateway.app import serve
         try:

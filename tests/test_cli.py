@@ -131,3 +131,55 @@ def test_check_config_refuses_a_cut_short_gguf_in_one_line(tmp_path):
     r = run("check-config", "-c", str(cfg))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"models[0].path: not a readable GGUF file: {cut} (malformed GGUF (" in r.stderr
+
+
+def test_check_config_names_gpus_it_cannot_find_in_one_line(tmp_path):
+    """``gpus: [0]`` on a machine without an NVIDIA GPU: the plan's ConfigError was a traceback
+    and exit 1 from check-config (serve said it in one line; a fresh tester's find)."""
+    from workers.gpu import detect_gpus
+    if detect_gpus():
+        pytest.skip("this machine has an NVIDIA GPU")
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("listen: 127.0.0.1:0\nmodels:\n  - {name: m, path: builtin:demo, gpus: [0]}\n")
+    r = run("check-config", "-c", str(cfg))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{cfg}: models[0].gpus: no NVIDIA GPU detected, got gpus: [0]" in r.stderr
+
+
+def test_check_config_names_a_model_that_gets_no_worker(tmp_path):
+    """A model the plan gives no worker (``gpus: auto``, no GPU, ``cpu_fallback: 0``) was left
+    out of check-config's output without a word (a fresh tester's find); it now has a line
+    saying what serve answers its requests."""
+    from workers.gpu import detect_gpus
+    if detect_gpus():
+        pytest.skip("this machine has an NVIDIA GPU")
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("listen: 127.0.0.1:0\nmodels:\n  - {name: gpuonly, path: builtin:demo, cpu_fallback: 0}\n"
+                   "  - {name: demo, path: builtin:demo, cpu: 1}\n")
+    r = run("check-config", "-c", str(cfg))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("demo-cpu0\tmodel=demo:latest\t")
+    assert lines[1] == ("-\tmodel=gpuonly:latest\tno worker: model 'gpuonly:latest' has no worker "
+                        "on this machine: its config plans none (gpus: auto found no NVIDIA GPU "
+                        "and cpu_fallback is 0); change the config and reload")
+
+
+def test_serve_refuses_a_cache_where_no_run_directory_can_be_made(tmp_path):
+    """With ``$LLAMA_GATEWAY_CACHE`` under a regular file the workers' pid files cannot be
+    written: each start attempt left a running llama-server behind, untracked, one per
+    backoff (a fresh tester's find). serve now refuses to start, in one line, exit 2."""
+    from workers.demo_model import write_demo_model
+    from workers.provision import ensure_llama_server
+    gguf = write_demo_model(tmp_path / "m.gguf")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(f"listen: 127.0.0.1:0\nllama_server: {{binary: {ensure_llama_server()}}}\n"
+                   f"models:\n  - {{name: m, path: {gguf}, cpu: 1}}\n")
+    r = subprocess.run([sys.executable, "-m", "gateway", "serve", "-c", str(cfg)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "LLAMA_GATEWAY_CACHE": str(blocker / "cache")})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot create the workers' run directory {blocker}/cache/run/127.0.0.1_" in r.stderr
+    assert "Not a directory" in r.stderr and "worker.spawned" not in r.stderr

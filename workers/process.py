@@ -227,7 +227,8 @@ class WorkerProcess:
         return self.proc.returncode if self.proc else None
 
     async def start(self) -> None:
-        """Spawn the process. Raises OSError if the binary cannot be executed."""
+        """Spawn the process. Raises OSError if the binary cannot be executed or its pid file
+        cannot be written (the process is then killed and reaped)."""
         self.port = free_port()
         self.api_key = secrets.token_urlsafe(24)
         argv = self.spec.argv(self.port)
@@ -236,7 +237,14 @@ class WorkerProcess:
             stderr=asyncio.subprocess.PIPE, env=self.spec.env(self.api_key),
             preexec_fn=_set_pdeathsig)
         self.log.info("worker.spawned", pid=self.proc.pid, port=self.port, argv=" ".join(argv[1:]))
-        self._write_pidfile()
+        try:
+            self._write_pidfile()
+        except OSError:
+            # the caller sees a failed spawn and tries again: this process must not run on,
+            # untracked (a fresh tester's unwritable cache left one per try, each a loaded model)
+            self.kill(signal.SIGKILL)
+            await self.proc.wait()
+            raise
         self._pipes = [asyncio.create_task(self._pipe(self.proc.stdout, "stdout")),
                        asyncio.create_task(self._pipe(self.proc.stderr, "stderr"))]
 

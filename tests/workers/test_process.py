@@ -146,6 +146,25 @@ def test_first_error_line_is_kept_as_the_reason(tmp_path, monkeypatch, bad, firs
 
 
 @pytest.mark.slow
+def test_a_pid_file_that_cannot_be_written_stops_the_process_it_was_for(tmp_path):
+    """``start`` raises OSError (the supervisor's "spawn failed", then a retry) and the
+    process it spawned is killed and reaped: one llama-server per retry was left running,
+    untracked (a fresh tester's find: an unwritable cache)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+
+    async def run():
+        p = WorkerProcess(spec(binary=ensure_llama_server(), model_path=tmp_path / "missing.gguf",
+                               gpus=()), state_dir=blocker / "run")
+        with pytest.raises(OSError):
+            await p.start()
+        return p
+
+    p = asyncio.run(run())
+    assert p.pid is not None and p.returncode is not None  # spawned, then killed and reaped
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["args", "env"])
 def test_operator_verbosity_logs_worker_info_lines_at_info(tmp_path, monkeypatch, how):
     """The gateway below debug starts workers quiet; an operator who raised the worker's
