@@ -133,6 +133,20 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9\-_.:/+=@]{1,128}")
 _ids = random.Random()
 
 
+def optional(body: dict, key: str, kind: type | tuple[type, ...], what: str, default=None):
+    """``body[key]``, or ``default`` when it is absent or null (Ollama's pointer fields: null is
+    unset). Raises ApiError(400) ``<key> must be <what>`` for a value of another type, where
+    Ollama's JSON decoding answers 400 (a boolean is not an integer here; ``"", [], {}`` are no
+    stand-ins for unset)."""
+    v = body.get(key)
+    if v is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        raise ApiError(400, f"{key} must be {what}")
+    return v
+
+
 def request_id(request: web.Request) -> str:
     """The request's id: its ``X-Request-ID`` when that matches :data:`_REQUEST_ID`, else a
     generated one (32 hex digits). Echoed in the response and logged as ``request_id``."""

@@ -34,7 +34,7 @@ from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import require
-from gateway.api.common import make_ticket, note_upstream_error, read_json, t0_ns
+from gateway.api.common import make_ticket, note_upstream_error, optional, read_json, t0_ns
 from gateway.api.errors import ApiError, admission_error, resolve_v1_model
 from gateway.api.ollama import resolve_model
 from gateway.api.ollama_mapping import parse_keep_alive
@@ -185,8 +185,8 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
 
 
 def _dimensions(body: dict) -> int:
-    d = body.get("dimensions") or 0
-    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+    d = optional(body, "dimensions", int, "a non-negative integer", 0)
+    if d < 0:
         raise ApiError(400, "dimensions must be a non-negative integer")
     return d
 
@@ -195,6 +195,7 @@ async def _check_embedding(request: web.Request, body: dict, entry: ModelEntry) 
     """Checks shared by the three routes once ``entry`` (the model ``body`` names) is found:
     ``keep_alive`` parses and the model embeds. Raises ApiError."""
     parse_keep_alive(body.get("keep_alive"))
+    optional(body, "options", dict, "an object")  # read by nothing here, but not any value
     await require(request.app["gw"], entry, "embedding", body["model"])
 
 
@@ -215,9 +216,7 @@ async def api_embed(request: web.Request) -> web.Response:
     inputs = [raw] if isinstance(raw, str) else raw
     if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
         raise ApiError(400, "invalid input type")
-    truncate = body.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise ApiError(400, "truncate must be a boolean")
+    truncate = optional(body, "truncate", bool, "a boolean", True)  # null: unset, so true
     entry.touch(parse_keep_alive(body.get("keep_alive")))
     t_loaded = time.monotonic_ns()
     vecs, n = await embed_many(request, entry, inputs, truncate, _dimensions(body))
@@ -232,9 +231,7 @@ async def api_embeddings(request: web.Request) -> web.Response:
     body = await read_json(request)
     entry = resolve_model(request, body, missing_status=400)
     await _check_embedding(request, body, entry)
-    prompt = body.get("prompt") or ""
-    if not isinstance(prompt, str):
-        raise ApiError(400, "prompt must be a string")
+    prompt = optional(body, "prompt", str, "a string", "")
     entry.touch(parse_keep_alive(body.get("keep_alive")))
     if not prompt:
         return _json({"embedding": []})

@@ -26,8 +26,8 @@ from aiohttp import web
 from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import model_capabilities, require
-from gateway.api.common import (make_ticket, note_upstream_error, read_json, start_stream, t0_ns,
-                                visible_entries)
+from gateway.api.common import (make_ticket, note_upstream_error, optional, read_json,
+                                start_stream, t0_ns, visible_entries)
 from gateway.api.errors import ApiError, admission_error, ollama_error
 from gateway.api.render import render_prompt, upstream_error_text
 from gateway.api.ollama_mapping import (
@@ -142,7 +142,7 @@ def _messages(body: dict) -> tuple[list[dict], bool]:
                 for b in images]
         calls = m.get("tool_calls")
         if calls is not None and not (isinstance(calls, list) and all(
-                isinstance(tc, dict) and isinstance(tc.get("function") or {}, dict)
+                isinstance(tc, dict) and isinstance(tc.get("function"), dict)
                 for tc in calls)):
             raise ApiError(400, f"messages[{i}].tool_calls must be a list of objects, each with "
                                 f"an object function")
@@ -210,13 +210,14 @@ def _done_only(gw, entry: ModelEntry, name: str, keep_alive: float | None,
 
 
 async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_body: dict,
-                 stream: bool, chunk, final):
+                 stream: bool, chunk, final, echoed: str = ""):
     """Run one generation on a leased worker and answer in Ollama's shape.
 
     ``chunk(st, content, thinking) -> dict`` builds a ``done:false`` object for a piece;
     ``final(st) -> dict`` (may be a coroutine) the ``done:true`` object. Errors before the first
     byte are HTTP errors; after it, an ``{"error": …}`` line ends the stream (Ollama routes.go
-    streamResponse).
+    streamResponse). ``echoed``: text the worker repeats at the start of its answer that is not
+    part of it (:func:`_unecho`).
     """
     gw = _gw(request)
     mcfg = gw.model_config(entry.name)
@@ -239,6 +240,8 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                     content, thinking = fold(orjson.loads(data))
                     if st.error:
                         break
+                    if echoed and content:
+                        content, echoed = _unecho(content, echoed)
                     if content or thinking:
                         if stream:
                             lines.append(orjson.dumps(chunk(st, content, thinking)))
@@ -281,6 +284,16 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     return out
 
 
+def _unecho(content: str, echoed: str) -> tuple[str, str]:
+    """``content`` less what is left of ``echoed`` at its start; returns (content, the rest of
+    ``echoed`` still expected). Text that does not match ends the stripping (kept whole)."""
+    if content.startswith(echoed):
+        return content[len(echoed):], ""
+    if echoed.startswith(content):
+        return "", echoed[len(content):]
+    return content, ""
+
+
 async def _end_with_error(out: web.StreamResponse, message: str) -> web.StreamResponse:
     """End a started NDJSON stream with Ollama's ``{"error": message}`` line (routes.go
     streamResponse); returns ``out``."""
@@ -320,14 +333,17 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return _done_only(gw, entry, name, keep_alive, chat=True)
     entry.touch(keep_alive)
     fmt = format_fields(body.get("format"), chat=False)  # also the check of ``format``
-    if fmt and not tools and not any_image and not think:
-        # Structured output as Ollama runs it: the chat template applied, then a completion
-        # under the format's grammar. llama-server's own chat route parses the finished answer
-        # once more and answered 500 "The model produced output that does not match the
-        # expected peg-native format" for about a quarter of grammar-conforming answers (a
-        # fresh tester's find; /api/generate, which takes this path, never failed).
+    echoed = ""
+    if fmt and not any_image and not think:
+        # Structured output as Ollama runs it: the chat template applied (with the tools, which
+        # the format's grammar leaves no room to call, as on llama-server's chat route), then a
+        # completion under the format's grammar. llama-server's own chat route parses the
+        # finished answer once more and answered 500 "The model produced output that does not
+        # match the expected peg-native format" for about a quarter of grammar-conforming
+        # answers (a fresh tester's find; /api/generate, which takes this path, never failed).
         path = "/completion"
-        rendered = await render_prompt(gw, entry.name, msgs, template_fields=_think_kwargs(think))
+        rendered = await render_prompt(gw, entry.name, msgs, template_fields={
+            **_think_kwargs(think), **({"tools": tools} if tools else {})})
         up = {"stream": True, "cache_prompt": True, "prompt": rendered,
               **_sampling(request, body), **fmt}
         if lp or top:
@@ -342,6 +358,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
             up["top_logprobs"] = max(top, 1)  # as Ollama's runner: llama-server needs >= 1
         if tools:
             up["tools"] = tools
+        if msgs[-1]["role"] == "assistant" and isinstance(msgs[-1]["content"], str):
+            # llama-server continues a last assistant message (prefill) and repeats it at the
+            # start of its answer; Ollama answers with the continuation only
+            echoed = msgs[-1]["content"]
 
     def chunk(st, content, thinking):
         msg = {"role": "assistant", "content": content}
@@ -364,7 +384,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
             obj["logprobs"] = st.take_logprobs(top)
         return obj
 
-    return await _relay(request, entry, path, up, stream, chunk, final)
+    return await _relay(request, entry, path, up, stream, chunk, final, echoed)
 
 
 def _context_tokens(value, n_vocab: int) -> list[int]:
@@ -392,15 +412,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         prompt = ""
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string")
-    system = body.get("system") or ""
-    suffix = body.get("suffix") or ""
-    if not isinstance(system, str) or not isinstance(suffix, str):
-        raise ApiError(400, "system and suffix must be strings")
-    raw = body.get("raw") or False
-    if not isinstance(raw, bool):
-        raise ApiError(400, "raw must be a boolean")
+    system = optional(body, "system", str, "a string", "")
+    suffix = optional(body, "suffix", str, "a string", "")
+    template = optional(body, "template", str, "a string", "")
+    raw = optional(body, "raw", bool, "a boolean", False)
     context = _context_tokens(body.get("context"), entry.facts.n_vocab)
-    if raw and (system or body.get("template") or context):
+    if raw and (system or template or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
     images = _images(body.get("images"), "images")
     think, lp, top, keep_alive = await _common_checks(request, body, entry, "generate")

@@ -277,13 +277,14 @@ def parse_think(value) -> bool | str | None:
 def parse_logprobs(body: dict) -> tuple[bool, int]:
     """(``logprobs``, ``top_logprobs``); top_logprobs outside 0..20 → ApiError(400) with Ollama's
     text ``top_logprobs must be between 0 and 20``."""
-    lp = body.get("logprobs") or False
-    if not isinstance(lp, bool):
+    lp = body.get("logprobs")
+    if lp is not None and not isinstance(lp, bool):  # "", [], {} too (Ollama: a decoding 400)
         raise ApiError(400, "logprobs must be a boolean")
-    top = body.get("top_logprobs") or 0
+    top = body.get("top_logprobs")
+    top = 0 if top is None else top
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
         raise ApiError(400, "top_logprobs must be between 0 and 20")
-    return lp, top
+    return lp is True, top
 
 
 def format_fields(fmt, *, chat: bool) -> dict:

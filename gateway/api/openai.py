@@ -65,6 +65,13 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                     raise ApiError(400, f"messages[{i}].content[{j}].text must be a string")
         if _has_image(body["messages"]):
             await require(gw, entry, "vision", name)
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(
+                isinstance(t, dict) for t in tools)):
+            raise ApiError(400, "tools must be a list of tool objects")
+        if tools:  # as Ollama's /v1 (through /api/chat): 400 for a template without tools
+            await require(gw, entry, "tools", name)
+        _named_tool_choice(body)
     if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
         raise ApiError(400, "stream must be a boolean")
     n = body.get("n")
@@ -86,6 +93,11 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         _check_response_format(body["response_format"])
     if body.get("logit_bias") is not None:
         _check_logit_bias(body["logit_bias"], entry.facts.n_vocab)
+    if body.get("seed") is not None:  # llama-server replaced one past 64 bits by a fixed seed
+        _check_int("seed", body["seed"])
+    if required == "messages" and body.get("logprobs") is not None and \
+            not isinstance(body["logprobs"], bool):  # OpenAI's chat: a boolean
+        raise ApiError(400, f"logprobs must be a boolean, got {_short(body['logprobs'])}")
     if required == "messages" and body.get("top_logprobs") is not None:
         top = body["top_logprobs"]
         _check_int("top_logprobs", top)
@@ -102,12 +114,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     include_usage = include_usage is True
     body["model"] = entry.name
     convert = None  # a completion's events turned into chat chunks (openai_structured)
-    schema = openai_structured.completion_schema(body) if required == "messages" else None
-    if schema is not None and "thinking" not in await model_capabilities(gw, entry):
-        prompt = await render_prompt(gw, entry.name, body["messages"],
-                                     template_fields=openai_structured.template_fields(body))
-        body = openai_structured.completion_body(body, prompt, schema)
-        path, convert = "/v1/completions", openai_structured.ChatChunks()
+    if required == "messages":
+        body, path, convert = await _chat_route(gw, entry, body, path)
     # A non-streamed request is streamed from the worker and folded (module doc); its
     # stream_options change nothing the client sees, as llama-server ignores them then.
     per_prompt = sizing.choices(body)  # tasks per prompt, which groups the usages to sum
@@ -121,8 +129,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s,
                          body=body)
-    if required == "prompt":  # after the ticket: the same slots, and n's own limit still checked
-        spread_empty_prompts(body)
+    if required == "prompt" or convert is not None:  # after the ticket: the same slots, and
+        spread_empty_prompts(body)                      # n's own limit still checked
     out: web.StreamResponse | None = None
     started: list[web.StreamResponse] = []  # the client's stream, once its first event is out
     try:
@@ -157,6 +165,29 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         await out.write(_sse(openai_error_body(status, e.message)))
     await out.write_eof()
     return out
+
+
+def _named_tool_choice(body: dict) -> None:
+    """Check ``tool_choice`` (OpenAI: ``"none"``, ``"auto"``, ``"required"`` or ``{"type":
+    "function", "function": {"name": N}}``) and rewrite the named form, which the pinned
+    llama-server reads as a wrong type and replaces with ``"auto"`` without a word: the tools
+    are narrowed to the one named and the choice becomes ``"required"``, so the model must
+    call that function, as OpenAI does. Raises ApiError(400) for anything else, or a name not
+    among ``tools``."""
+    tc = body.get("tool_choice")
+    if tc is None or tc in ("none", "auto", "required"):
+        return
+    fn = tc.get("function") if isinstance(tc, dict) and tc.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}, got "
+                            f"{_short(tc)}")
+    named = [t for t in body.get("tools") or ()
+             if isinstance(t.get("function"), dict) and t["function"].get("name") == name]
+    if not named:
+        raise ApiError(400, f"tool_choice names function '{name}', which is not in tools")
+    body["tools"], body["tool_choice"] = named[:1], "required"
 
 
 def _short(v) -> str:
@@ -214,6 +245,23 @@ def _check_logit_bias(lb, n_vocab: int) -> None:
         if isinstance(tok, int) and (tok < 0 or (n_vocab and tok >= n_vocab)):
             raise ApiError(400, f"logit_bias token {shown} is outside the model's vocabulary "
                                 f"of {n_vocab} tokens")
+
+
+async def _chat_route(gw, entry, body: dict, path: str):
+    """Where a chat ``body`` runs: llama-server's chat route (``body``, ``path``, None) or a
+    completion of its rendered template (the completion body, ``/v1/completions``, a
+    ``ChatChunks`` converter) for a JSON ``response_format`` or for ``n`` ≥ 2 with a chat that
+    renders to nothing (gateway/api/openai_structured.py). Raises ApiError from the render."""
+    schema = openai_structured.completion_schema(body)
+    structured = schema is not None and "thinking" not in await model_capabilities(gw, entry)
+    if not structured and sizing.choices(body) < 2:
+        return body, path, None
+    prompt = await render_prompt(gw, entry.name, body["messages"],
+                                 template_fields=openai_structured.template_fields(body))
+    if not structured and prompt:
+        return body, path, None
+    return (openai_structured.completion_body(body, prompt, schema if structured else None),
+            "/v1/completions", openai_structured.ChatChunks())
 
 
 def _has_image(messages: list) -> bool:

@@ -1,20 +1,25 @@
-"""``/v1/chat/completions`` with a JSON ``response_format``, run as Ollama runs structured
-output: the chat template applied by the gateway (``render.render_prompt``), then the worker's
-``/v1/completions`` under the schema's grammar, its events turned back into chat chunks.
+"""``/v1/chat/completions`` run as a completion of the chat template: the template applied by
+the gateway (``render.render_prompt``), then the worker's ``/v1/completions``, its events turned
+back into chat chunks. Two kinds of chat take this route:
 
-Why: llama-server's chat route parses the finished answer once more against the format's PEG
-parser (common/chat.cpp ``common_chat_peg_parse``) and answers 500 "The model produced output
-that does not match the expected peg-native format" for answers its own grammar let through
-(seen on the pinned build for 10 of 24 seeds of ``json_object`` on the demo model: text that
-is not valid UTF-8 inside a JSON string, answers cut by ``max_tokens``). The completion route
-does not parse the answer: it is the text the grammar allowed, as the client asked.
-
-The route is taken only where it gives the same answer as the chat route would: a
-``response_format`` of type ``json_object`` or ``json_schema``, no ``tools``, no ``logprobs``,
-no llama-server ``grammar`` / ``json_schema`` of the client's own, text-only messages (media
-need the chat route's projector handling), and a model whose chat template has no reasoning
-(``thinking`` capability): the chat route's grammar lets such a model reason before the JSON,
-and its parser splits the reasoning off into ``reasoning_content``.
+* **A JSON ``response_format``**, as Ollama runs structured output: the completion runs under
+  the schema's grammar. llama-server's chat route parses the finished answer once more against
+  the format's PEG parser (common/chat.cpp ``common_chat_peg_parse``) and answers 500 "The
+  model produced output that does not match the expected peg-native format" for answers its
+  own grammar let through (seen on the pinned build for 10 of 24 seeds of ``json_object`` on
+  the demo model: text that is not valid UTF-8 inside a JSON string, answers cut by
+  ``max_tokens``). The completion route does not parse the answer: it is the text the grammar
+  allowed. Taken only where it gives what the chat route would: no ``logprobs``, no
+  llama-server ``grammar`` / ``json_schema`` of the client's own, text-only messages (media
+  need the chat route's projector handling), and a model whose chat template has no reasoning
+  (``thinking`` capability), whose chat-route grammar lets it reason before the JSON. ``tools``
+  are rendered into the prompt; with a ``response_format`` the chat route cannot call them
+  either (its grammar and parser are the format's only, common/chat-auto-parser-generator.cpp).
+* **``n`` ≥ 2 and a chat that renders to an empty prompt** (only an empty assistant message):
+  llama-server never answers the extra choices of a prompt without tokens (the same fault as
+  ``openai.spread_empty_prompts`` works around for ``/v1/completions``), so the request held
+  ``n`` slots until the watchdog's ``inter_token_s`` (a fresh tester's find). As a completion
+  the empty prompt is repeated ``n`` times and answered at once, as ``n`` 1 is.
 """
 
 from __future__ import annotations
@@ -23,13 +28,12 @@ import orjson
 
 #: ``/apply-template`` fields of a chat body that change the rendered prompt (llama-server
 #: ``oaicompat_chat_params_parse``); everything else of the chat body is sampling or output.
-TEMPLATE_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                   "reasoning_effort")
+TEMPLATE_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                   "add_generation_prompt", "continue_final_message", "reasoning_effort")
 
 #: Chat-only fields the completion body drops (they are rendered into the prompt, or are the
 #: format itself, given as ``json_schema``).
-_CHAT_ONLY = ("messages", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-              "reasoning_format") + TEMPLATE_FIELDS
+_CHAT_ONLY = ("messages", "response_format", "reasoning_format") + TEMPLATE_FIELDS
 
 
 def completion_schema(body: dict) -> dict | None:
@@ -39,7 +43,7 @@ def completion_schema(body: dict) -> dict | None:
     rf = body.get("response_format")
     if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
         return None
-    if body.get("tools") or body.get("logprobs") or "grammar" in body or "json_schema" in body:
+    if body.get("logprobs") or "grammar" in body or "json_schema" in body:
         return None
     for m in body.get("messages") or ():
         c = m.get("content")
@@ -55,13 +59,16 @@ def template_fields(body: dict) -> dict:
     return {k: body[k] for k in TEMPLATE_FIELDS if k in body}
 
 
-def completion_body(body: dict, prompt: str, schema: dict) -> dict:
+def completion_body(body: dict, prompt: str, schema: dict | None) -> dict:
     """The ``/v1/completions`` body for a chat ``body``: its sampling and output fields, the
-    rendered ``prompt`` and ``json_schema`` (llama-server turns an empty schema into "any
-    object", server-schema.cpp ``json_schema``)."""
-    up = {k: v for k, v in body.items() if k not in _CHAT_ONLY}
+    rendered ``prompt`` and, unless ``schema`` is None, ``json_schema`` (llama-server turns an
+    empty schema into "any object", server-schema.cpp ``json_schema``). ``logprobs`` goes only
+    with a schema (the route is not taken for it then); an empty prompt generates nothing."""
+    drop = _CHAT_ONLY if schema is not None else _CHAT_ONLY + ("logprobs", "top_logprobs")
+    up = {k: v for k, v in body.items() if k not in drop}
     up["prompt"] = prompt
-    up["json_schema"] = schema
+    if schema is not None:
+        up["json_schema"] = schema
     return up
 
 

@@ -67,8 +67,9 @@ def test_which_chats_run_as_a_completion():
         "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}) == schema
     assert completion_schema({**base, "response_format": {"type": "json_object",
                                                           "schema": schema}}) == schema
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert completion_schema({**base, "tools": tools}) == {}  # rendered into the prompt
     for other in ({"response_format": {"type": "text"}}, {"response_format": None},
-                  {"tools": [{"type": "function", "function": {"name": "f"}}]},
                   {"logprobs": True}, {"grammar": "root ::= \"a\""},
                   {"messages": [{"role": "user", "content": [
                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}):
@@ -80,8 +81,14 @@ def test_which_chats_run_as_a_completion():
 def test_completion_body_keeps_sampling_and_drops_chat_fields():
     body = {"model": "demo:latest", "messages": MSGS, "response_format": {"type": "json_object"},
             "max_tokens": 5, "seed": 3, "n": 2, "stream": True, "tools": [],
-            "chat_template_kwargs": {"x": 1}, "stop": ["}"]}
+            "tool_choice": "auto", "chat_template_kwargs": {"x": 1}, "stop": ["}"]}
     up = completion_body(body, "<prompt>", {})
     assert up == {"model": "demo:latest", "max_tokens": 5, "seed": 3, "n": 2, "stream": True,
                   "stop": ["}"], "prompt": "<prompt>", "json_schema": {}}
-    assert template_fields(body) == {"chat_template_kwargs": {"x": 1}}
+    assert template_fields(body) == {"tools": [], "tool_choice": "auto",
+                                     "chat_template_kwargs": {"x": 1}}
+    # n >= 2 with an empty prompt: no schema, and logprobs dropped (nothing is generated)
+    empty = completion_body({**body, "response_format": None, "logprobs": True,
+                             "top_logprobs": 2}, "", None)
+    assert "json_schema" not in empty and "logprobs" not in empty and "top_logprobs" not in empty
+    assert empty["prompt"] == "" and empty["n"] == 2

@@ -158,7 +158,7 @@ def test_audio_part_on_a_text_model_is_400(gw):
 def test_malformed_tool_calls_are_400(gw):
     """``tool_calls`` that is not a list of objects was dropped, leaving an empty assistant turn
     and a 200 with nothing generated (a fresh tester's find)."""
-    for calls in ("x", [None], [{"function": "f"}]):
+    for calls in ("x", [None], [{"function": "f"}], [{}], [{"id": "c1"}]):
         r = httpx.post(gw.url + "/api/chat", timeout=30, json={
             "model": "demo", "stream": False, "options": {"num_predict": 2},
             "messages": [{"role": "user", "content": "hi"},
@@ -199,3 +199,45 @@ def test_ollama_stream_must_be_a_boolean(gw, path, body):
     200 and streamed; a fresh tester's find)."""
     r = httpx.post(gw.url + path, json={**body, "stream": "x"}, timeout=30)
     assert r.status_code == 400 and r.json() == {"error": "stream must be a boolean"}
+
+
+@pytest.mark.parametrize("path,field,value,msg", [
+    ("/api/generate", "system", [], "system must be a string"),
+    ("/api/generate", "suffix", {}, "suffix must be a string"),
+    ("/api/generate", "template", 5, "template must be a string"),
+    ("/api/generate", "raw", "", "raw must be a boolean"),
+    ("/api/generate", "raw", {}, "raw must be a boolean"),
+    ("/api/generate", "logprobs", "", "logprobs must be a boolean"),
+    ("/api/chat", "logprobs", [], "logprobs must be a boolean"),
+    ("/api/chat", "top_logprobs", "", "top_logprobs must be between 0 and 20"),
+    ("/api/embed", "dimensions", "", "dimensions must be a non-negative integer"),
+    ("/api/embed", "options", "x", "options must be an object"),
+    ("/api/embed", "truncate", 1, "truncate must be a boolean"),
+    ("/api/embeddings", "prompt", [], "prompt must be a string"),
+    ("/api/embeddings", "options", [], "options must be an object")])
+def test_ollama_fields_of_the_wrong_type_are_400(gw, path, field, value, msg):
+    """``""``, ``[]`` and ``{}`` passed as unset values (a falsy default) and the field was
+    ignored; Ollama's JSON decoding answers 400 (a fresh tester's find)."""
+    model = "embed" if "embed" in path else "demo"
+    body = {"model": model, "stream": False, "options": {"num_predict": 1}}
+    body.update({"/api/embed": {"input": "x"}, "/api/embeddings": {"prompt": "x"},
+                 "/api/chat": {"messages": [{"role": "user", "content": "x"}]}}.get(
+                     path, {"prompt": "x"}))
+    if "embed" in path:
+        del body["options"]
+    body[field] = value
+    r = httpx.post(gw.url + path, json=body, timeout=30)
+    assert r.status_code == 400 and r.json() == {"error": msg}, r.text
+
+
+def test_ollama_null_fields_are_unset(gw):
+    """A client that writes unset fields as null gets the defaults (Ollama's pointer fields):
+    ``truncate: null`` was a 400 ``truncate must be a boolean`` (a fresh tester's find)."""
+    r = httpx.post(gw.url + "/api/embed", timeout=30, json={
+        "model": "embed", "input": "x", "truncate": None, "dimensions": None, "options": None})
+    assert r.status_code == 200 and len(r.json()["embeddings"]) == 1, r.text
+    r = httpx.post(gw.url + "/api/generate", timeout=30, json={
+        "model": "demo", "prompt": "x", "stream": False, "system": None, "suffix": None,
+        "template": None, "raw": None, "logprobs": None, "top_logprobs": None,
+        "options": {"num_predict": 1}})
+    assert r.status_code == 200 and r.json()["done"], r.text

@@ -189,6 +189,39 @@ def test_tools_accepted_and_tool_history_round_trips(client):
     assert r.prompt_eval_count > plain.prompt_eval_count + 20
 
 
+def test_chat_with_format_and_tools_is_never_a_500(client):
+    """``format`` and ``tools`` together went to llama-server's chat route, which answered 500
+    "... peg-native format" for 4 of 8 seeds (streamed: an error line after the tokens; a fresh
+    tester's find). They run as a completion of the template with the tools under the format's
+    grammar, as Ollama does."""
+    msgs = [{"role": "user", "content": "q"}]
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    for seed in range(8):
+        opts = {"num_predict": 60, "seed": seed, "temperature": 1}
+        r = client.chat(model="tooly", messages=msgs, tools=TOOLS, format=schema, options=opts)
+        assert r.done and r.message.content.lstrip().startswith("{"), r
+        parts = list(client.chat(model="tooly", messages=msgs, tools=TOOLS, format=schema,
+                                 options=opts, stream=True))
+        assert parts[-1].done and "".join(p.message.content for p in parts) == r.message.content
+    plain = client.chat(model="tooly", messages=msgs, format=schema, options={"num_predict": 1})
+    assert r.prompt_eval_count > plain.prompt_eval_count + 20  # the tools are in the prompt
+
+
+def test_chat_prefill_answers_with_the_continuation_only(client):
+    """A chat ending in an assistant message continues it; llama-server's chat route repeats
+    that message at the start of its answer (``"Sure" + continuation``; a fresh tester's find)
+    where Ollama answers the continuation only, as the gateway's ``format`` route already did.
+    The continuation is what a raw completion of the rendered prompt generates."""
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure"}]
+    opts = {"num_predict": 3, "seed": 1}
+    raw = client.generate(model="tooly", raw=True, options=opts,
+                          prompt="<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\nSure")
+    r = client.chat(model="tooly", messages=msgs, options=opts)
+    assert r.message.content == raw.response and r.eval_count == 3, (r.message.content, raw.response)
+    parts = list(client.chat(model="tooly", messages=msgs, options=opts, stream=True))
+    assert "".join(p.message.content for p in parts) == raw.response
+
+
 def test_format_json_schema_and_logprobs(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     r = client.generate(model="demo", prompt="answer", format=schema, options={"num_predict": 200})

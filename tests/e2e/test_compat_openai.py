@@ -11,14 +11,17 @@ import openai
 import pytest
 
 from tests.conftest import base_config, free_port
-from tests.e2e.compat_helpers import embed_model, model, nearest
+from tests.e2e.compat_helpers import TOOLS_TEMPLATE, embed_model, model, nearest
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def gw(module_gateway_factory):
-    return module_gateway_factory(base_config(free_port(), models=[model("demo"), embed_model()]))
+def gw(module_gateway_factory, tmp_path_factory):
+    tpl = tmp_path_factory.mktemp("tpl") / "tools.jinja"
+    tpl.write_text(TOOLS_TEMPLATE)
+    return module_gateway_factory(base_config(free_port(), models=[
+        model("demo"), embed_model(), model("tooly", args=["--chat-template-file", str(tpl)])]))
 
 
 @pytest.fixture
@@ -75,8 +78,82 @@ def test_response_format_and_tools(client):
         "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
     assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    r = client.chat.completions.create(model="demo", max_tokens=3, messages=MSG, tools=tools)
+    r = client.chat.completions.create(model="tooly", max_tokens=3, messages=MSG, tools=tools)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    # as Ollama's /v1 (through /api/chat): a template without tools is a 400, not ignored
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", max_tokens=3, messages=MSG, tools=tools)
+    assert e.value.body["message"] == "demo:latest does not support tools"
+
+
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}}}}
+OTHER = {"type": "function", "function": {"name": "get_weather", "description": "weather " * 30,
+                                          "parameters": {"type": "object", "properties": {
+                                              "city": {"type": "string"}}}}}
+
+
+def test_named_tool_choice_narrows_the_tools_and_requires_a_call(client):
+    """The pinned llama-server reads ``tool_choice: {"type": "function", ...}`` as a wrong type
+    and runs ``auto`` with every tool (a fresh tester's find: LangChain's
+    ``with_structured_output(method="function_calling")`` sends it). The gateway sends only the
+    named tool with ``"required"``: the rendered prompt holds that tool alone, as many tokens
+    as when the client sends it so itself."""
+    def prompt_tokens(**kw):
+        return client.chat.completions.create(model="tooly", max_tokens=1, messages=MSG,
+                                              **kw).usage.prompt_tokens
+    named = prompt_tokens(tools=[OTHER, TOOL], tool_choice={
+        "type": "function", "function": {"name": "get_time"}})
+    assert named == prompt_tokens(tools=[TOOL], tool_choice="required")
+    assert named < prompt_tokens(tools=[OTHER, TOOL], tool_choice="required")
+    for bad, msg in (({"type": "function", "function": {"name": "nope"}},
+                      "tool_choice names function 'nope', which is not in tools"),
+                     (1, 'tool_choice must be "none", "auto", "required" or {"type": '
+                         '"function", "function": {"name": ...}}, got 1'),
+                     ({}, "got {}")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tooly", max_tokens=1, messages=MSG,
+                                           tools=[OTHER, TOOL], tool_choice=bad)
+        assert msg in e.value.body["message"], e.value.body
+
+
+def test_n_2_chat_that_renders_to_nothing_answers_at_once(gw):
+    """A chat of only an empty assistant message renders to an empty prompt; with ``n`` 2
+    llama-server never answered the second choice, so the request held 2 slots for
+    ``inter_token_s`` (60 s) and ended 504 (a fresh tester's find). It now runs as a completion
+    of the empty prompt repeated, answered at once as ``n`` 1 is, streamed or not, also with
+    ``logprobs`` (which sent it to the worker non-streamed)."""
+    body = {"model": "demo", "messages": [{"role": "assistant", "content": ""}], "n": 2,
+            "max_tokens": 3}
+    for extra in ({}, {"logprobs": True}):
+        r = httpx.post(gw.url + "/v1/chat/completions", json={**body, **extra}, timeout=10)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert [(c["index"], c["message"]["content"], c["finish_reason"])
+                for c in got["choices"]] == [(0, "", "length"), (1, "", "length")]
+        assert got["object"] == "chat.completion"
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=10,
+                          json={**body, **extra, "stream": True}) as s:
+            lines = [ln for ln in s.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]" and not any('"error"' in ln for ln in lines), lines
+        finishes = sorted((c["index"], c["finish_reason"]) for ln in lines[:-1]
+                          for c in json.loads(ln[6:])["choices"] if c["finish_reason"])
+        assert finishes == [(0, "length"), (1, "length")]
+    busy = [w["busy"] for w in gw.workers() if w["model"] == "demo:latest"]
+    assert busy == [0], gw.workers()
+
+
+def test_v1_seed_past_64_bits_and_a_non_boolean_chat_logprobs_are_400(gw):
+    """llama-server replaced a seed past 64 bits with one fixed seed and read ``logprobs: 1``
+    as true (a fresh tester's find)."""
+    for path, body, msg in (
+            ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70},
+             "seed is out of range for a 64-bit integer"),
+            ("/v1/chat/completions", {"messages": MSG, "seed": 1.5}, "seed must be an integer, got 1.5"),
+            ("/v1/chat/completions", {"messages": MSG, "logprobs": 1},
+             "logprobs must be a boolean, got 1")):
+        r = httpx.post(gw.url + path, json={"model": "demo", "max_tokens": 1, **body}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
 
 
 def test_structured_output_runs_as_a_completion_and_never_answers_500(client):
@@ -112,11 +189,17 @@ def test_structured_output_runs_as_a_completion_and_never_answers_500(client):
     two = client.chat.completions.create(**{**kw, "n": 2})
     assert [c.index for c in two.choices] == [0, 1]
     assert all(c.message.content.lstrip().startswith("{") for c in two.choices)
+    # tools go into the rendered prompt (the chat route's grammar cannot call them either)
+    tkw = dict(model="tooly", max_tokens=40, seed=5, messages=MSG, tools=[OTHER, TOOL])
+    both = client.chat.completions.create(**tkw, response_format={"type": "json_object"})
+    assert both.choices[0].message.content.lstrip().startswith("{")
+    assert both.usage.prompt_tokens == client.chat.completions.create(**{
+        **tkw, "max_tokens": 1}).usage.prompt_tokens
 
 
 def test_models_list_and_retrieve(client):
     ids = sorted(m.id for m in client.models.list().data)
-    assert ids == ["demo:latest", "embed:latest"]
+    assert ids == ["demo:latest", "embed:latest", "tooly:latest"]
     m = client.models.retrieve("demo")
     assert m.id == "demo:latest" and m.object == "model" and m.created > 0
     with pytest.raises(openai.NotFoundError) as e:
