@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import base_config, free_port, start_gateway
 from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
-from tests.e2e.compat_helpers import worker_metrics
+from tests.e2e.compat_helpers import TOOLS_TEMPLATE, worker_metrics
 from workers.demo_model import write_demo_model
 
 pytestmark = pytest.mark.slow
@@ -46,9 +46,11 @@ def gw2(tmp_path_factory):
 def gw1(tmp_path_factory):
     """1 worker × 1 slot (-np 1), queue timeout 1.5 s (a LONG blocker lasts about 2.5 s or
     more on this machine's CPU workers, so each timeout check gets a fresh one)."""
+    d = tmp_path_factory.mktemp("gw1")
+    (d / "tools.jinja").write_text(TOOLS_TEMPLATE)  # demo's ChatML, rendering tools too
     cfg = _cfg(queue={"timeout_s": 1.5})
-    cfg["models"][0].update(slots=1, cpu=1)
-    gp = start_gateway(tmp_path_factory.mktemp("gw1"), cfg)
+    cfg["models"][0].update(slots=1, cpu=1, args=["--chat-template-file", str(d / "tools.jinja")])
+    gp = start_gateway(d, cfg)
     yield gp
     gp.stop()
 
