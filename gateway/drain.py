@@ -8,9 +8,10 @@ Sequence (field case 17; each step is logged):
 2. Requests already accepted (running or queued) get up to ``shutdown.drain_s`` seconds.
 3. What is left then: queued requests are answered 503 at once, in their API's shape, with
    ``server shutting down, please try again: …`` (``ShuttingDown``; so are requests that still
-   reach admission); running ones end when the workers stop: the worker stream breaks and the API handlers end
-   it with an ``{"error": ...}`` line (NDJSON) or an error event (SSE), or a JSON 502 when
-   nothing was sent yet.
+   reach admission); running ones are ended at once too (``Upstream.end_running``): the API
+   handlers end them with an ``{"error": "server shutting down, …"}`` line (NDJSON) or an
+   error event (SSE), or a JSON 503 when nothing was sent yet, and their connections to the
+   workers close (llama-server does not exit on SIGTERM while a request of it is open).
 4. Workers stop: SIGTERM, ``llama_server.stop_grace_s``, SIGKILL, reaped.
 5. The HTTP server closes; ``serve()`` returns 0.
 
@@ -76,6 +77,10 @@ async def graceful_stop(gw: "Gateway") -> None:
             log.warning("gateway.drain_timeout", still_running=left,
                         queued=len(gw.dispatcher.queue), drain_s=drain_s)
             gw.admission.shut_down()  # queued ones: 503 "server shutting down" now
+            if gw.upstream:  # running ones: their error line now, and no connection left open
+                ended = gw.upstream.end_running()  # to keep a worker from its SIGTERM exit
+                log.info("gateway.streams_ended", count=ended)
+                await _wait_idle(gw, 2.0)
         else:
             log.info("gateway.drained", s=round(time.monotonic() - t0, 3))
         gw.notifier.status("stopping workers")

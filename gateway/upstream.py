@@ -175,6 +175,18 @@ class Upstream:
         """End the in-flight streams of a worker that went down (error line / event)."""
         return self.watchdog.abort_worker(worker_id, f"worker {worker_id} {reason}")
 
+    def end_running(self) -> int:
+        """The shutdown drain ran out: end every in-flight worker stream now with 503
+        ``shutting_down_running`` (the handlers write it as their error line or event) and
+        stop reading held non-streamed answers, so every connection to the workers closes
+        before they get SIGTERM. llama-server waits for its open requests before it exits on
+        SIGTERM: with streams still open every worker took ``stop_grace_s`` and a SIGKILL,
+        and the clients sat on a silent stream meanwhile (a fresh tester's find). Returns how
+        many streams were ended."""
+        for task in list(self._held):
+            task.cancel()  # its finally closes the answer and gives the slot back
+        return self.watchdog.abort_all(503, shutting_down_running(), "shutdown")
+
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(force_close=True, limit=0)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,

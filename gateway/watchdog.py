@@ -117,6 +117,16 @@ class Watchdog:
             log.warning("watchdog.worker_streams_aborted", worker=worker_id, streams=n, reason=message)
         return n
 
+    def abort_all(self, status: int, message: str, kind: str) -> int:
+        """End every in-flight stream with ``status`` / ``message`` (the gateway stops);
+        returns how many."""
+        n = 0
+        for w in list(self.watches):
+            if w.aborted is None:
+                w.abort(self.make_error(status, message, kind))
+                n += 1
+        return n
+
     async def _run(self) -> None:
         while self.watches:
             await asyncio.sleep(self.tick_s)
