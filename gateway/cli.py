@@ -83,12 +83,44 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _why(e: OSError) -> str:
+    """Why a file could not be written, in words: ``mkdir(parents=True, exist_ok=True)`` of a
+    parent that is a regular file raises FileExistsError ("File exists"), which says it wrong."""
+    if isinstance(e, FileExistsError):
+        return f"{e.filename} is not a directory"
+    return e.strerror or str(e)
+
+
 def _calibrate(args, argv: list[str]) -> int:
     import orjson
 
+    from gateway.inventory import GGUFFacts
     from gateway.simulator.measure import calibrate, table
     from workers.demo_model import ensure_demo_model
     from workers.provision import ProvisionError, ensure_llama_server
+    # Checked before a server starts and minutes of measuring begin (a fresh tester's find:
+    # each of these was a traceback or an error at the end).
+    out = Path(args.out)
+    bad = ("--slots must be at least 2 (the decode fit needs two batch sizes)" if args.slots < 2
+           else "--repeats must be at least 1" if args.repeats < 1
+           else "--context must be at least 16 tokens" if args.context < 16
+           else "--threads must be at least 1" if args.threads is not None and args.threads < 1
+           else None)
+    if bad is None and args.model:
+        try:
+            GGUFFacts.read(Path(args.model))
+        except (OSError, ValueError) as e:
+            bad = f"--model is not a readable GGUF file: {args.model} ({e})"
+    if bad is None:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out, "ab"):
+                pass
+        except OSError as e:
+            bad = f"--out cannot be written: {out} ({_why(e)})"
+    if bad is not None:
+        sys.stderr.write(f"llama-gateway calibrate: {bad}\n")
+        return 2
     try:
         doc = calibrate(ensure_llama_server(args.binary),
                         Path(args.model) if args.model else ensure_demo_model(),
@@ -98,8 +130,6 @@ def _calibrate(args, argv: list[str]) -> int:
     except (ProvisionError, ValueError) as e:  # no binary; too few slots to fit a batch slope
         sys.stderr.write(f"llama-gateway calibrate: {e}\n")
         return 2
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
     sys.stdout.write(table(doc) + f"\nwritten: {out}\n")
     return 0
@@ -253,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{path}\n")
         return 0
     if verb == "simulate":
-        from gateway.simulator.report import (MIN_DURATION_S, markdown, markdown_sweep, plot,
-                                              run_all, run_sweep)
+        from gateway.simulator.report import (MAX_DURATION_S, MIN_DURATION_S, markdown,
+                                              markdown_sweep, plot, run_all, run_sweep)
         from gateway.simulator.worker import resolve_profile
         try:
             profile = resolve_profile(args.profile)
@@ -263,6 +293,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--duration must be at least {MIN_DURATION_S:g} simulated "
                                  f"seconds (runs are measured after up to 20 s of warm-up), "
                                  f"got {args.duration:g}")
+            if args.duration > MAX_DURATION_S:
+                raise ValueError(f"--duration must be at most {MAX_DURATION_S:g} simulated "
+                                 f"seconds, got {args.duration:g}")
+            if args.png:
+                try:
+                    import matplotlib  # noqa: F401  (the plot needs it; checked before the runs)
+                except ImportError:
+                    raise ValueError("--png needs matplotlib: pip install "
+                                     "'llama-gateway[bench]'") from None
         except ValueError as e:
             sys.stderr.write(f"llama-gateway simulate: {e}\n")
             return 2
@@ -292,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 path = write_demo_model(path) if args.force else ensure_demo_model(path)
         except OSError as e:  # a folder that does not exist or cannot be written
-            sys.stderr.write(f"llama-gateway demo-model: cannot write {path}: "
-                             f"{e.strerror or e}\n")
+            sys.stderr.write(f"llama-gateway demo-model: cannot write {path}: {_why(e)}\n")
             return 1
         sys.stdout.write(f"{path}\n")
         return 0

@@ -150,6 +150,10 @@ class GatewayMetrics:
             self.tokens_in.labels(model).inc(request["prompt_eval_count"])
         if isinstance(request.get("eval_count"), int):
             self.tokens_out.labels(model).inc(request["eval_count"])
+        elif request.get("events_streamed"):
+            # ended before the worker's own count (client left, worker failed, shutdown):
+            # the answer's SSE events read from the worker, about one per generated token
+            self.tokens_out.labels(model).inc(request["events_streamed"])
         if status >= 500:
             self.errors.add(ep, f"{status} {request.method} {request.path}"
                                 + (f" ({request['error']})" if request.get("error") else ""))

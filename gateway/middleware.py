@@ -5,7 +5,9 @@ Access log event ``request.done``, one per request, client disconnects included 
 ``client_left: true``): request_id, method, path, status, ms (end to end), and when the handler
 knew them (gateway/metrics.py ``note_*``; priority and, for a request that was never served,
 queue_wait_ms from its admission ticket): model, worker, priority, queue_wait_ms (time queued
-over all attempts of a retried request), ttft_ms, prompt_eval_count, eval_count (tokens).
+over all attempts of a retried request), ttft_ms, prompt_eval_count, eval_count (tokens),
+events_streamed (SSE events read from the workers, about one per token: what an answer that
+ended early, without the worker's counts, had generated).
 
 ``guard_middleware``: who may come in and how big a request may be (see ``Guard.run``).
 """
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 log = get_logger("gateway.access")
 
 _ACCESS_FIELDS = ("model", "worker", "priority", "queue_wait_ms", "ttft_ms",
-                  "prompt_eval_count", "eval_count")
+                  "prompt_eval_count", "eval_count", "events_streamed")
 
 
 def _error(path: str, status: int, message: str, headers=None) -> web.Response:

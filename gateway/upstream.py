@@ -349,6 +349,8 @@ class Upstream:
                 self.watchdog.discard(watch)
                 self._give_back(ticket.request_id, lease, resp, deadline,
                                 hold=not streamed and watch.aborted is None)
+                if client is not None and resp.events:  # metrics: tokens of unfinished answers
+                    client["events_streamed"] = client.get("events_streamed", 0) + resp.events
             return
         raise last or UpstreamError(502, "no worker answered")
 
@@ -410,6 +412,7 @@ async def iter_sse_batches(resp: WorkerResponse) -> AsyncIterator[list[bytes]]:
                     if batch:
                         if progress:
                             resp.note_answer()
+                        resp.events += len(batch)
                         yield batch
                     return
                 if progress and PROGRESS_KEY in data:
@@ -418,11 +421,13 @@ async def iter_sse_batches(resp: WorkerResponse) -> AsyncIterator[list[bytes]]:
             if batch:
                 if progress:
                     resp.note_answer()
+                resp.events += len(batch)
                 yield batch
         data = _sse_payload(rest)
         if data and data != b"[DONE]" and not (progress and PROGRESS_KEY in data):
             if progress:
                 resp.note_answer()
+            resp.events += 1
             yield [data]
     except WorkerPayloadError as e:
         _log_broken(e)

@@ -214,6 +214,8 @@ class WorkerResponse:
         self.progress = progress
         self.on_answer: Callable[[], None] | None = None
         self.answered = False
+        #: SSE events of the answer read so far (``iter_sse_batches``; progress events left out)
+        self.events = 0
         if not progress:
             conn.body.on_first_data = self.note_answer
 

@@ -65,7 +65,9 @@ def test_simulate_refuses_an_unknown_profile():
     (("--gpus", "-1"), "got '-1'"), (("--gpus", "abc"), "got 'abc'"), (("--gpus", "4,"), "got '4,'"),
     (("--gpus", "2", "--duration", "20"), "--duration must be at least 25 simulated seconds "
                                           "(runs are measured after up to 20 s of warm-up), got 20"),
-    (("--duration", "nan"), "got nan")])
+    (("--duration", "nan"), "got nan"),
+    (("--gpus", "1", "--duration", "1e300"), "--duration must be at most 3600 simulated seconds"),
+])
 def test_simulate_refuses_bad_fleet_sizes_and_durations(args, msg):
     """Each was a traceback (NoWorkers, ValueError, ZeroDivisionError; a fresh tester's find)."""
     r = run("simulate", *args)
@@ -183,3 +185,44 @@ def test_serve_refuses_a_cache_where_no_run_directory_can_be_made(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"cannot create the workers' run directory {blocker}/cache/run/127.0.0.1_" in r.stderr
     assert "Not a directory" in r.stderr and "worker.spawned" not in r.stderr
+
+
+def test_simulate_png_without_matplotlib_is_refused_before_the_runs(tmp_path):
+    """The plot needs the ``bench`` extra; without it the whole simulation ran and then ended
+    in a traceback (a fresh tester's find)."""
+    try:
+        import matplotlib  # noqa: F401
+        pytest.skip("matplotlib is installed here")
+    except ImportError:
+        pass
+    r = run("simulate", "--gpus", "1", "--duration", "25", "--png", str(tmp_path / "x.png"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr
+    assert r.stderr == "llama-gateway simulate: --png needs matplotlib: pip install " \
+                       "'llama-gateway[bench]'\n"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("--slots", "1"), "--slots must be at least 2 (the decode fit needs two batch sizes)"),
+    (("--slots", "0"), "--slots must be at least 2"),
+    (("--repeats", "0"), "--repeats must be at least 1"),
+    (("--context", "0"), "--context must be at least 16 tokens"),
+    (("--model", "{file}"), "--model is not a readable GGUF file: {file} ("),
+    (("--out", "{file}/x.json"), "--out cannot be written: {file}/x.json ({file} is not a directory)")])
+def test_calibrate_refuses_bad_arguments_before_starting_a_server(tmp_path, args, msg):
+    """Each started llama-server and then failed with a traceback, or after minutes of
+    measuring (a fresh tester's find). ``{file}``: a regular file that is not a GGUF."""
+    f = tmp_path / "file"
+    f.write_text("not a model")
+    r = run("calibrate", *(a.format(file=f) for a in args), timeout=30)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("llama-gateway calibrate: " + msg.format(file=f)), r.stderr
+    assert "worker.spawned" not in r.stderr
+
+
+def test_demo_model_under_a_regular_file_says_so(tmp_path):
+    """``mkdir`` of a parent that is a file raised "File exists" (a fresh tester's find)."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = run("demo-model", "--path", str(f / "x.gguf"))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == f"llama-gateway demo-model: cannot write {f}/x.gguf: {f} is not a directory\n"

@@ -67,6 +67,9 @@ def worker_cache(slots: int, profile: GpuProfile) -> int:
 #: Shortest ``duration_s`` a comparison can use: runs are measured after up to 20 s of
 #: warm-up (the seed and chat scenarios, and the one-GPU reference they are divided by).
 MIN_DURATION_S = 25.0
+#: Longest: an hour of simulated traffic (each scenario × policy × fleet size is one run;
+#: a run of 1e300 s never ended, a fresh tester's find).
+MAX_DURATION_S = 3600.0
 
 
 def scenarios(duration_s: float, only: str = ""):

@@ -76,6 +76,7 @@ def test_client_closing_a_stream_is_a_cancel_not_an_error(gateway):
     ``client_left`` per request, counted in ``/metrics`` under status 499, never an internal
     error, and the gateway keeps serving (its slot was released)."""
     body = {"model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 1500}}
+    generated_before = _generated(gateway.url)
     for _ in range(3):
         with httpx.Client(timeout=30) as c, c.stream("POST", gateway.url + "/api/generate",
                                                      json=body) as s:
@@ -94,3 +95,15 @@ def test_client_closing_a_stream_is_a_cancel_not_an_error(gateway):
     assert 'llama_gateway_requests_total{endpoint="/api/generate",model="demo:latest",' \
            'status="499"} 3.0' in metrics, [m for m in metrics.splitlines() if "requests_total" in m]
     assert all(w["busy"] == 0 for w in gateway.workers())
+    # the tokens the cut streams had generated are counted (they were not at all: a fresh
+    # tester's find), as the events read from the worker; the finished one by its eval_count
+    assert all(d["events_streamed"] >= 1 for d in left), left
+    assert _generated(gateway.url) - generated_before == 4 + sum(d["events_streamed"] for d in left)
+
+
+def _generated(url: str) -> float:
+    """``llama_gateway_generated_tokens_total`` of demo:latest (0 before any)."""
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith('llama_gateway_generated_tokens_total{model="demo:latest"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
