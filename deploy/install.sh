@@ -75,9 +75,7 @@ mkdir -p "$PREFIX"
 [ -x "$PREFIX/venv/bin/python" ] || "$PYTHON" -m venv "$PREFIX/venv"
 "$PREFIX/venv/bin/python" -m pip install -q --upgrade pip
 "$PREFIX/venv/bin/python" -m pip install -q --upgrade "$SRC"
-mkdir -p "$PREFIX/docs"
-cp -f "$SRC/README.md" "$PREFIX/"
-[ -f "$SRC/docs/operations.md" ] && cp -f "$SRC/docs/operations.md" "$PREFIX/docs/"
+cp -f "$SRC/README.md" "$PREFIX/"  # the unit's Documentation=
 say "installed $("$PREFIX/venv/bin/llama-gateway" --version) into $PREFIX/venv"
 
 # 3. config and environment (never overwrite an operator's files)

@@ -61,6 +61,8 @@ class Gateway:
         self.runner: web.AppRunner | None = None
         self._socks: list = []  # listening sockets (gateway.listen), bound first at start
         self.stopping = asyncio.Event()
+        #: a second SIGTERM/SIGINT during the stop: end the drain now (gateway/drain.py)
+        self.hurry = asyncio.Event()
         self.inflight: dict[int, web.Request] = {}  # id(request) -> request being handled (middleware)
         #: Inference requests accepted and not yet answered (queued or running; the guard
         #: middleware counts them): the in-flight figure of /metrics and the status API.
@@ -168,8 +170,10 @@ class Gateway:
         return fleet_status(self.worker_states())
 
     async def _watch(self) -> None:
-        """systemd READY=1 once every worker is ready; STATUS= on every change; worker
-        failures into the recent-errors list."""
+        """systemd READY=1 once every worker is ready or has given up (``failed``, a crash
+        loop: waiting for it held READY until systemd's ``TimeoutStartSec`` killed the gateway,
+        healthy models included, and ``Restart=on-failure`` began again; a fresh tester's
+        find); STATUS= on every change; worker failures into the recent-errors list."""
         details: dict[str, str] = {}
         sent_ready = False
         while True:
@@ -181,9 +185,10 @@ class Gateway:
                 details[s.id] = s.detail
             # every worker ready; with none planned (no GPU, cpu_fallback 0) at once, so that
             # systemd's start does not time out on a gateway that answers every request 503
-            if not sent_ready and all(s.ready for s in sups):
+            if not sent_ready and all(s.ready or s.state == "failed" for s in sups):
                 sent_ready = True
-                log.info("gateway.ready", workers=len(sups))
+                log.info("gateway.ready", workers=len(sups),
+                         failed=[s.id for s in sups if not s.ready])
                 self.notifier.ready(self.fleet_status())
             await asyncio.sleep(0.2)
 
@@ -193,6 +198,9 @@ class Gateway:
         host, port = cfg.host, cfg.port
         # First: owning the address is what makes run/<host>_<port>/ this process's to reap.
         self._socks = bind_listen(host.strip("[]"), port, cfg.source)
+        if port == 0:  # the port the system picked: a run directory of its own (with "_0" every
+            # port-0 gateway reaped the others' workers at start; a fresh tester's find)
+            port = self._socks[0].getsockname()[1]
         try:
             binary = await asyncio.to_thread(ensure_llama_server, ls.binary,
                                              None if ls.backend == "auto" else ls.backend)
@@ -236,7 +244,8 @@ class Gateway:
         await self.runner.setup()
         for sock in self._socks:
             await web.SockSite(self.runner, sock).start()
-        log.info("gateway.listening", listen=cfg.listen, version=__version__,
+        bound = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+        log.info("gateway.listening", listen=bound, version=__version__,
                  workers=[p.id for p in plans], binary=str(binary))
         self.fleet.start()
         self._tasks.append(asyncio.create_task(self._watch(), name="gateway-watch"))
@@ -264,8 +273,8 @@ class Gateway:
 async def serve(config: GatewayConfig, config_path: str | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status (0 on a clean stop).
 
-    SIGTERM/SIGINT: graceful stop (gateway/drain.py). SIGHUP: reload ``config_path``
-    (gateway/reload.py).
+    SIGTERM/SIGINT: graceful stop (gateway/drain.py); a second one during it ends the drain at
+    once (``gateway.drain_cut_short``). SIGHUP: reload ``config_path`` (gateway/reload.py).
     """
     gw = Gateway(config, config_path)
     loop = asyncio.get_running_loop()
@@ -284,6 +293,14 @@ async def serve(config: GatewayConfig, config_path: str | None = None) -> int:
         # ends the process at once (exit 129, streams cut, no drain; a fresh tester's find).
         loop.add_signal_handler(signal.SIGHUP, lambda: log.info("gateway.sighup_ignored",
                                                                 reason="shutting down"))
+
+        def hurry(sig: signal.Signals) -> None:  # Ctrl-C twice: do not wait out drain_s
+            if not gw.hurry.is_set():
+                log.warning("gateway.drain_cut_short", signal=sig.name)
+                gw.hurry.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, hurry, sig)
         gw.reloader.cancel_all()
         if gw.fleet:
             gw.fleet.cancel_restarts()

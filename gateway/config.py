@@ -440,6 +440,33 @@ PositiveFloat = Annotated[float, PlainValidator(_v_pos_float)]
 StrictBool = Annotated[bool, PlainValidator(_v_bool)]
 StrList = Annotated[list[str], PlainValidator(_v_str_list)]
 
+#: llama-server flags the gateway sets on every worker's command line and must own: how it
+#: reaches the worker (``--host``, ``--port``, the per-start key in ``LLAMA_API_KEY``), which
+#: model it loads and names (``-m``, ``--alias``, and the flags that fetch another model), and
+#: the ``/slots`` endpoint it reads. llama-server takes the last of repeated flags, so one in
+#: ``args`` won: with ``--port`` the gateway polled a port nobody listened on and a reload
+#: waited ``startup_timeout_s`` for it (a fresh tester's find). ``-np`` and ``-c`` are the
+#: operator's to override (the gateway reads the result back from ``/slots``).
+GATEWAY_FLAGS = frozenset({
+    "--host", "--port", "--api-key", "--api-key-file", "-m", "--model", "-a", "--alias",
+    "-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-dr",
+    "--docker-repo", "--no-slots"})
+
+
+def _v_worker_args(v: object) -> list[str]:
+    """``args`` / ``extra_args``: a list of strings (see ``_v_str_list``) without any of
+    :data:`GATEWAY_FLAGS` (also as ``--flag=value``)."""
+    out = _v_str_list(v)
+    errs = [((i,), f"{a.split('=', 1)[0]} is set by the gateway on every worker (it picks the "
+                   f"host, port, API key, model and alias, and reads /slots); remove it")
+            for i, a in enumerate(out) if a.split("=", 1)[0] in GATEWAY_FLAGS]
+    if errs:
+        raise _Invalid(*errs)
+    return out
+
+
+WorkerArgs = Annotated[list[str], PlainValidator(_v_worker_args)]
+
 
 # --------------------------------------------------------------------------------------
 # Models
@@ -473,7 +500,7 @@ class LlamaServerConfig(_Section):
     """Which llama-server build to use: "auto" (CUDA when a GPU is found), "cpu" or "cuda"."""
     threads: OptPositiveInt = None
     """``-t`` per CPU worker; None: the machine's cores split evenly among CPU workers."""
-    extra_args: StrList = Field(default_factory=list)
+    extra_args: WorkerArgs = Field(default_factory=list)
     """Arguments appended to every worker's command line."""
     startup_timeout_s: PositiveFloat = 180.0
     """Seconds a worker may take from spawn to a healthy ``/health`` (model load)."""
@@ -748,7 +775,7 @@ class ModelConfig(_Section):
     """Parallel sequences per worker (llama-server ``-np``)."""
     context: PositiveInt = 4096
     """Context tokens per slot; the worker gets ``-c slots*context``."""
-    args: StrList = Field(default_factory=list)
+    args: WorkerArgs = Field(default_factory=list)
     """Extra llama-server arguments for this model's workers."""
     embeddings: StrictBool = False
     """Start the workers with ``--embeddings``."""

@@ -5,7 +5,8 @@ Sequence (field case 17; each step is logged):
 1. ``STOPPING=1`` to systemd; the listening sockets close and idle keep-alive connections are
    closed, so new connections are refused; a request that still arrives on an open connection
    is answered 503 with ``Connection: close`` (middleware).
-2. Requests already accepted (running or queued) get up to ``shutdown.drain_s`` seconds.
+2. Requests already accepted (running or queued) get up to ``shutdown.drain_s`` seconds (a
+   second SIGTERM/SIGINT ends this wait at once: ``Gateway.hurry``).
 3. What is left then: queued requests are answered 503 at once, in their API's shape, with
    ``server shutting down, please try again: …`` (``ShuttingDown``; so are requests that still
    reach admission); running ones are ended at once too (``Upstream.end_running``): the API
@@ -33,10 +34,11 @@ if TYPE_CHECKING:
 log = get_logger("gateway.drain")
 
 
-async def _wait_idle(gw: "Gateway", timeout_s: float) -> int:
-    """Wait until no request is in flight or ``timeout_s`` passed; returns how many remain."""
+async def _wait_idle(gw: "Gateway", timeout_s: float, hurry: asyncio.Event | None = None) -> int:
+    """Wait until no request is in flight, ``timeout_s`` passed or ``hurry`` is set; returns
+    how many remain."""
     end = time.monotonic() + timeout_s
-    while gw.inflight and time.monotonic() < end:
+    while gw.inflight and time.monotonic() < end and not (hurry is not None and hurry.is_set()):
         await asyncio.sleep(0.05)
     return len(gw.inflight)
 
@@ -72,7 +74,7 @@ async def graceful_stop(gw: "Gateway") -> None:
     log.info("gateway.draining", in_flight=len(gw.inflight), drain_s=drain_s)
     try:
         await stop_accepting(gw)
-        left = await _wait_idle(gw, drain_s)
+        left = await _wait_idle(gw, drain_s, getattr(gw, "hurry", None))
         if left:
             log.warning("gateway.drain_timeout", still_running=left,
                         queued=len(gw.dispatcher.queue), drain_s=drain_s)

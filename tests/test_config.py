@@ -86,6 +86,22 @@ def test_error_slots_four():
     assert errors_of(base(slots="four")) == ['models[0].slots: expected a positive integer, got "four"']
 
 
+def test_error_args_that_the_gateway_sets_itself():
+    """A ``--port`` in args won over the gateway's (llama-server takes the last): the worker
+    never answered where the gateway looked, and a reload waited ``startup_timeout_s`` for it
+    (a fresh tester's find). ``-np`` and ``-c`` stay the operator's to set."""
+    why = ("is set by the gateway on every worker (it picks the host, port, API key, model and "
+           "alias, and reads /slots); remove it")
+    assert errors_of({**base(args=["-np", "2", "--port", "1234", "--alias=x"]),
+                      "llama_server": {"extra_args": ["--api-key", "k", "-m", "m.gguf"]}}) == [
+        f"llama_server.extra_args[0]: --api-key {why}",
+        f"llama_server.extra_args[2]: -m {why}",
+        f"models[0].args[2]: --port {why}",
+        f"models[0].args[4]: --alias {why}"]
+    ok = parse_config(base(args=["-np", "2", "-c", "8192", "--cache-ram", 512]))
+    assert ok.models[0].args == ["-np", "2", "-c", "8192", "--cache-ram", "512"]
+
+
 def test_error_listen():
     assert errors_of({**base(), "listen": "nope"}) == ['listen: expected "host:port", got "nope"']
 

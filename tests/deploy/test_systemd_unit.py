@@ -83,6 +83,11 @@ def test_unit_settings():
     assert int(d["TimeoutStopSec"][0]) > cfg.shutdown.drain_s + cfg.llama_server.stop_grace_s
     env = (ROOT / "deploy" / "llama-gateway.env").read_text()
     assert "LLAMA_GATEWAY_CACHE=/var/cache/llama-gateway" in env
+    # the documentation it names is a file install.sh puts there (it named docs/operations.md,
+    # which the project does not have; a fresh tester's find)
+    doc, = d["Documentation"]
+    assert doc == "file:///opt/llama-gateway/README.md"
+    assert 'cp -f "$SRC/README.md" "$PREFIX/"' in (ROOT / "deploy" / "install.sh").read_text()
 
 
 def test_install_script_parses_and_refuses_unknown_options():

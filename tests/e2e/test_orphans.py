@@ -88,3 +88,60 @@ def test_a_second_gateway_on_a_live_gateways_address_refuses_and_leaves_its_work
     assert {w["pid"] for w in gw.workers()} == pids
     body = {"model": "demo", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
     assert httpx.post(gw.url + "/api/generate", json=body, timeout=60).json()["done"] is True
+
+
+def _start_on_port_0(tmp_path, name: str):
+    """A gateway with ``listen: 127.0.0.1:0`` (one CPU worker); returns (process, the port it
+    logged in ``gateway.listening``, its log path)."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import ROOT
+    cfg = base_config(0, models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                                  "context": 512, "cpu": 1}])
+    cfg["listen"] = "127.0.0.1:0"
+    path, log = tmp_path / f"{name}.yaml", tmp_path / f"{name}.log"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "-c", str(path)], cwd=ROOT,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        for line in log.read_text().splitlines():
+            if '"gateway.ready"' in line:
+                listening = next(json.loads(x) for x in log.read_text().splitlines()
+                                 if '"gateway.listening"' in x)
+                return proc, int(listening["listen"].rsplit(":", 1)[1]), log
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(log.read_text()[-3000:])
+
+
+def test_port_0_gateways_keep_each_others_workers(tmp_path):
+    """``listen: host:0`` keyed the run directory ``run/<host>_0``, shared by every port-0
+    gateway, so a second one reaped (SIGKILL) the first one's live workers at start; and the
+    port the system picked was logged nowhere (a fresh tester's find). The directory and the
+    ``gateway.listening`` line now carry the bound port."""
+    from workers.provision import cache_root
+    first, port1, _ = _start_on_port_0(tmp_path, "first")
+    try:
+        ws = httpx.get(f"http://127.0.0.1:{port1}/gateway/api/workers", timeout=5).json()["workers"]
+        pid1 = ws[0]["pid"]
+        assert (cache_root() / "run" / f"127.0.0.1_{port1}" / "demo-cpu0.pid").exists()
+        second, port2, log2 = _start_on_port_0(tmp_path, "second")
+        try:
+            assert port2 not in (0, port1) and pid_alive(pid1)
+            assert "stale_worker_reaped" not in log2.read_text()
+            r = httpx.post(f"http://127.0.0.1:{port1}/api/generate", timeout=30, json={
+                "model": "demo", "prompt": "x", "raw": True, "stream": False,
+                "options": {"num_predict": 2}})
+            assert r.status_code == 200 and r.json()["eval_count"] == 2
+        finally:
+            second.terminate()
+            second.wait(30)
+    finally:
+        first.terminate()
+        first.wait(30)
+    assert not pid_alive(pid1)

@@ -256,6 +256,35 @@ def test_streams_cut_at_the_drain_end_let_the_workers_exit_on_sigterm(tmp_path):
     assert not any(pid_alive(p) for p in pids)
 
 
+def test_a_second_sigint_ends_the_drain_at_once(tmp_path):
+    """drain_s 30 s and a stream that would outlast it: a second SIGINT (Ctrl-C twice) ends the
+    drain at once, the stream gets the shutdown error line and the gateway exits 0 within a
+    few seconds (the second signal was ignored without a word and the stop took the whole
+    drain; a fresh tester's find)."""
+    gw = long_context_gateway(tmp_path, slots=1, drain_s=30)
+    out: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
+            out.extend(ln for ln in r.iter_lines() if ln)
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(stream)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        gw.proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        gw.proc.send_signal(signal.SIGINT)
+        rc = gw.proc.wait(30)
+        took = time.monotonic() - t0
+        fut.result(30)
+    assert rc == 0 and took < 1.0 + 4, took
+    assert json.loads(out[-1])["error"].startswith("server shutting down, please try again")
+    log = gw.log_path.read_text()
+    assert '"event": "gateway.drain_cut_short"' in log and '"signal": "SIGINT"' in log
+
+
 def test_field_13_startup_timeout_backoff_retry(tmp_path, gateway_factory):
     """The binary is a deliberately slow fake wrapper: its first two starts sleep 4 s (over
     the 1.5 s startup timeout), later starts exec the real llama-server at once."""

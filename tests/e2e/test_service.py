@@ -1,6 +1,7 @@
 """The gateway as a service: sd_notify, /metrics, admin API and CLI, the status page."""
 
 import concurrent.futures as cf
+import json
 import os
 import re
 import shutil
@@ -85,6 +86,46 @@ def test_notify_ready_after_workers_healthy_then_watchdog(tmp_path):
             except socket.timeout:
                 pass
         assert stopping
+    finally:
+        assert gw.stop() == 0
+        sock.close()
+
+
+def test_notify_ready_with_one_model_whose_worker_gives_up(tmp_path):
+    """One model fine, one whose worker llama-server refuses to start (crash loop, ``failed``):
+    READY=1 comes once the failed one has given up. It never came, so under the shipped unit
+    (Type=notify, TimeoutStartSec) systemd killed the whole gateway, the healthy model's
+    serving included, and restarted it in a loop (a fresh tester's find)."""
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.2)
+    cfg = base_config(free_port(), llama_server={"threads": 1, "restart_backoff_initial_s": 0.2,
+                                                 "restart_backoff_max_s": 0.5,
+                                                 "crash_loop_restarts": 3},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 1},
+                              {"name": "broken", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 1, "args": ["--bogus"]}])
+    gw = start_gateway(tmp_path, cfg, wait=False, env={"NOTIFY_SOCKET": str(sock_path)})
+    try:
+        ready = None
+        end = time.monotonic() + 60
+        while time.monotonic() < end and ready is None:
+            try:
+                data = sock.recv(4096).decode()
+            except socket.timeout:
+                continue
+            if "READY=1" in data.split("\n"):
+                ready = {w["id"]: w["state"] for w in gw.workers()}
+        assert ready == {"demo-cpu0": "ready", "broken-cpu0": "failed"}, ready
+        log = gw.log_path.read_text()
+        line = next(json.loads(x) for x in log.splitlines() if '"gateway.ready"' in x)
+        assert line["failed"] == ["broken-cpu0"] and line["workers"] == 2
+        r = httpx.post(gw.url + "/api/generate", timeout=30, json={
+            "model": "demo", "prompt": "x", "raw": True, "stream": False,
+            "options": {"num_predict": 2}})
+        assert r.status_code == 200
     finally:
         assert gw.stop() == 0
         sock.close()
