@@ -164,6 +164,26 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path):
     assert '"event": "gateway.drained"' in gw.log_path.read_text()
 
 
+def _signals_during(gw, streams: list, steps: tuple) -> tuple[int, float]:
+    """Run ``streams`` (callables) in threads; 1 s later send ``steps`` to the gateway (signals,
+    and floats: seconds to sleep between them); wait for its exit and the streams. Returns (exit
+    status, seconds from the first signal to the exit)."""
+    with cf.ThreadPoolExecutor(len(streams)) as ex:
+        futs = [ex.submit(f) for f in streams]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        for step in steps:
+            if isinstance(step, float):
+                time.sleep(step)
+            else:
+                gw.proc.send_signal(step)
+        rc = gw.proc.wait(30)
+        took = time.monotonic() - t0
+        for f in futs:
+            f.result(30)
+    return rc, took
+
+
 def test_field_17_sigterm_with_two_long_generations(tmp_path):
     """drain_s 2 s, two streams that would run far longer: both end with an error line
     (NDJSON and SSE) when the drain ends, their connections to the worker close, so the
@@ -184,19 +204,9 @@ def test_field_17_sigterm_with_two_long_generations(tmp_path):
                 "model": "demo", "prompt": "x", "max_tokens": 60000, "stream": True}) as r:
             out["openai"] = [ln for ln in r.iter_lines() if ln]
 
-    with cf.ThreadPoolExecutor(2) as ex:
-        futs = [ex.submit(ollama), ex.submit(openai)]
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        gw.proc.send_signal(signal.SIGTERM)
-        # A SIGHUP during the stop (a reload by a config tool) is ignored: it killed the
-        # gateway at once (exit 129, no error line, no drain; a fresh tester's find).
-        time.sleep(0.3)
-        gw.proc.send_signal(signal.SIGHUP)
-        rc = gw.proc.wait(30)
-        took = time.monotonic() - t0
-        for f in futs:
-            f.result(30)
+    # A SIGHUP during the stop (a reload by a config tool) is ignored: it killed the gateway
+    # at once (exit 129, no error line, no drain; a fresh tester's find).
+    rc, took = _signals_during(gw, [ollama, openai], (signal.SIGTERM, 0.3, signal.SIGHUP))
     assert rc == 0 and 2 <= took < 2 + 3, took
     last = json.loads(out["ollama"][-1])
     assert "error" in last and len(out["ollama"]) > 10
@@ -269,16 +279,7 @@ def test_a_second_sigint_ends_the_drain_at_once(tmp_path):
                 "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
             out.extend(ln for ln in r.iter_lines() if ln)
 
-    with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(stream)
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        gw.proc.send_signal(signal.SIGINT)
-        time.sleep(1.0)
-        gw.proc.send_signal(signal.SIGINT)
-        rc = gw.proc.wait(30)
-        took = time.monotonic() - t0
-        fut.result(30)
+    rc, took = _signals_during(gw, [stream], (signal.SIGINT, 1.0, signal.SIGINT))
     assert rc == 0 and took < 1.0 + 4, took
     assert json.loads(out[-1])["error"].startswith("server shutting down, please try again")
     log = gw.log_path.read_text()
