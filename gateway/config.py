@@ -250,6 +250,26 @@ def _v_opt_int(v: object) -> int | None:
     raise _Invalid(((), f"expected an integer or null, got {_got(v)}"))
 
 
+#: Priority classes (models, API keys, ``X-Priority``) lie within ± this many: the queue adds
+#: waited seconds to a class as a float (``AdmissionQueue.effective_priority``), and a class
+#: too large for a float broke the dispatcher for every request (a 4,000-digit
+#: ``X-Priority``; a fresh tester's find).
+PRIORITY_LIMIT = 1000
+
+
+def _v_priority(v: object) -> int:
+    """A priority class: an integer within ±:data:`PRIORITY_LIMIT`."""
+    if _is_int(v) and -PRIORITY_LIMIT <= v <= PRIORITY_LIMIT:
+        return v
+    raise _Invalid(((), f"expected an integer from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT}, "
+                        f"got {_got(v)}"))
+
+
+def _v_opt_priority(v: object) -> int | None:
+    """A priority class, or null."""
+    return None if v is None else _v_priority(v)
+
+
 def _v_model_patterns(v: object) -> list[str]:
     if not isinstance(v, (list, tuple)) or not v:
         raise _Invalid(((), f'expected a non-empty list of model names or ["*"], got {_got(v)}'))
@@ -663,7 +683,7 @@ class ApiKeyConfig(_Section):
     """SHA-256 hex digest of the key (``llama-gateway hash-key``)."""
     models: Annotated[list[str], PlainValidator(_v_model_patterns)] = Field(default_factory=lambda: ["*"])
     """Models (names or aliases) this key may use; ["*"] = all."""
-    priority: Annotated[Union[int, None], PlainValidator(_v_opt_int)] = None
+    priority: Annotated[Union[int, None], PlainValidator(_v_opt_priority)] = None
     """Priority class of this key's requests (overrides the model's); null = the model's."""
     max_concurrent: OptPositiveInt = None
     """Requests of this key in flight at once; more get 429. null = no cap."""
@@ -790,8 +810,9 @@ class ModelConfig(_Section):
     """CPU workers to start when ``gpus: auto`` finds no GPU (0: none)."""
     slots_per_gpu: Annotated[dict[int, int], PlainValidator(_v_slots_per_gpu)] = Field(default_factory=dict)
     """Per-GPU override of ``slots``; a group worker uses the entry of its first GPU."""
-    priority: StrictInt = 0
-    """Default priority class of this model's requests (higher is served first)."""
+    priority: Annotated[int, PlainValidator(_v_priority)] = 0
+    """Default priority class of this model's requests (higher is served first), within
+    ±:data:`PRIORITY_LIMIT`."""
 
     @field_validator("path", mode="plain")
     @classmethod

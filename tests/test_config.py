@@ -102,6 +102,15 @@ def test_error_args_that_the_gateway_sets_itself():
     assert ok.models[0].args == ["-np", "2", "-c", "8192", "--cache-ram", "512"]
 
 
+def test_error_priority_outside_the_classes():
+    """Priority classes are bounded (±1000): a class too large for a float broke the queue."""
+    assert errors_of(base(priority=10 ** 20)) == [
+        "models[0].priority: expected an integer from -1000 to 1000, got 100000000000000000000"]
+    assert errors_of(base(priority=None)) == [
+        "models[0].priority: expected an integer from -1000 to 1000, got null"]
+    assert parse_config(base(priority=-1000)).models[0].priority == -1000
+
+
 def test_error_listen():
     assert errors_of({**base(), "listen": "nope"}) == ['listen: expected "host:port", got "nope"']
 
@@ -131,7 +140,8 @@ def test_unknown_key_suggestion():
 
 def test_bool_is_not_int():
     assert errors_of(base(slots=True)) == ["models[0].slots: expected a positive integer, got true"]
-    assert errors_of(base(priority=False)) == ["models[0].priority: expected an integer, got false"]
+    assert errors_of(base(priority=False)) == [
+        "models[0].priority: expected an integer from -1000 to 1000, got false"]
     assert errors_of({**base(), "queue": {"timeout_s": True}}) == [
         "queue.timeout_s: expected a positive number, got true"
     ]

@@ -11,6 +11,7 @@ import orjson
 from aiohttp import web
 
 from gateway.api.errors import ApiError
+from gateway.config import PRIORITY_LIMIT
 from gateway.logs import get_logger
 from gateway.scheduling import Ticket, TooLarge, TooManySlots
 from gateway.texts import header_text
@@ -194,9 +195,13 @@ def make_ticket(request: web.Request, model: str, default_priority: int,
         hdr = None  # queue.header_priority: false, the header is ignored
     if hdr is not None and "key_priority" not in request:
         try:
-            prio = int(hdr)
+            prio = int(hdr) if len(hdr) <= 12 else None
         except ValueError:
-            raise ApiError(400, f"X-Priority must be an integer, got '{header_text(hdr)}'") from None
+            prio = None
+        if prio is None or not -PRIORITY_LIMIT <= prio <= PRIORITY_LIMIT:
+            shown = header_text(hdr[:40]) + ("…" if len(hdr) > 40 else "")  # not 5,000 digits back
+            raise ApiError(400, f"X-Priority must be an integer from -{PRIORITY_LIMIT} to "
+                                f"{PRIORITY_LIMIT}, got '{shown}'")
     ticket = Ticket(request_id=request_id(request), model=model, priority=prio,
                     est_tokens=est_tokens, queue_timeout_s=queue_timeout_s)
     # known from here on, also for a request that never gets a worker (request.done, 499/503)

@@ -62,7 +62,8 @@ def ollama_error(status: int, message: str, headers: dict | None = None) -> web.
 
 def openai_error_type(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",
+            404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+            415: "invalid_request_error",
             429: "rate_limit_error", 503: "server_error"}.get(status, "api_error")
 
 

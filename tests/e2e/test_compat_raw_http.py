@@ -150,7 +150,8 @@ def test_header_values_not_utf8_shown_escaped_in_errors(gw):
     body = b'{"model": "demo", "prompt": "x", "stream": false, "options": {"num_predict": 1}}'
     for extra, status, text in (
             (b"Expect: caf\xe9\r\n", 417, r"unsupported expectation: Expect: caf\xe9"),
-            (b"X-Priority: \xe9\r\n", 400, r"X-Priority must be an integer, got '\xe9'"),
+            (b"X-Priority: \xe9\r\n", 400,
+             r"X-Priority must be an integer from -1000 to 1000, got '\xe9'"),
             (b"Content-Encoding: g\xe9zip\r\n", 415, r"unsupported Content-Encoding 'g\xe9zip': "
                                                    "the gateway accepts gzip, deflate or an "
                                                    "uncompressed body")):

@@ -343,6 +343,28 @@ def test_non_streamed_upstream_disconnect_keeps_the_slot_leased_until_the_worker
     assert r.status_code == 200 and r.json()["eval_count"] == 3
 
 
+def test_x_priority_out_of_range_is_400_and_breaks_nothing(gw1):
+    """A 4,000-digit ``X-Priority`` was taken as a priority class; the queue adds waited
+    seconds to it as a float, which raised OverflowError inside the dispatcher, so every
+    request queued with it failed 500 and the telemetry handler broke (a fresh tester's find).
+    Classes outside ±1000 are now 400, with the value shown cut to 40 characters."""
+    for value, shown in (("9" * 4000, "9" * 40 + "…"), (str(10 ** 6), str(10 ** 6)),
+                         ("-1001", "-1001")):
+        r = httpx.post(gw1.url + "/api/generate", headers={"X-Priority": value}, timeout=10,
+                       json={"model": "demo", "prompt": "x", "raw": True, "stream": False,
+                             "options": {"num_predict": 1}})
+        assert r.status_code == 400, r.text
+        assert r.json() == {"error": f"X-Priority must be an integer from -1000 to 1000, got '{shown}'"}
+    with cf.ThreadPoolExecutor(3) as ex:  # one runs, two queue: the top class goes first
+        futs = [ex.submit(httpx.post, gw1.url + "/api/generate", headers={"X-Priority": p},
+                          timeout=60, json={"model": "demo", "prompt": "x", "raw": True,
+                                            "stream": False, "options": {"num_predict": 50}})
+                for p in ("0", "-1000", "1000")]
+        assert [f.result().status_code for f in futs] == [200, 200, 200]
+    log = gw1.log_path.read_text()
+    assert "OverflowError" not in log and "request.failed" not in log
+
+
 def test_priority_then_queue_timeout(gw1):
     """X-Priority: a later high-priority request is served before an earlier low one; a request
     that waits longer than queue.timeout_s gets 503 JSON."""
