@@ -964,6 +964,18 @@ class GatewayConfig(_Section):
             raise _Invalid(*errs)
         return self
 
+    @model_validator(mode="after")
+    def _key_models_exist(self) -> "GatewayConfig":
+        """An API key's ``models`` name configured models (or aliases): a typo gave a key that
+        could use nothing, without a word (a fresh tester's find)."""
+        errs = [(("auth", "keys", i, "models", j),
+                 f"no model or alias named {_got(pattern)} in models")
+                for i, k in enumerate(self.auth.keys) for j, pattern in enumerate(k.models)
+                if pattern != "*" and self.find_model(pattern) is None]
+        if errs:
+            raise _Invalid(*errs)
+        return self
+
     @property
     def host(self) -> str:
         """Host part of ``listen`` (IPv6 without brackets: "::1")."""

@@ -111,6 +111,16 @@ def test_error_priority_outside_the_classes():
     assert parse_config(base(priority=-1000)).models[0].priority == -1000
 
 
+def test_error_key_for_a_model_that_is_not_configured():
+    """A typo in an API key's ``models`` gave a key that could use nothing (a fresh tester's
+    find); names and aliases, in Ollama's long forms too, are found."""
+    key = {"name": "k", "sha256": "0" * 64}
+    cfg = {**base(aliases=["d"]), "auth": {"keys": [{**key, "models": ["demo", "nosuch", "*"]}]}}
+    assert errors_of(cfg) == ['auth.keys[0].models[1]: no model or alias named "nosuch" in models']
+    ok = {**base(aliases=["d"]), "auth": {"keys": [{**key, "models": ["d", "library/demo:latest"]}]}}
+    assert parse_config(ok).auth.keys[0].models == ["d", "library/demo:latest"]
+
+
 def test_error_listen():
     assert errors_of({**base(), "listen": "nope"}) == ['listen: expected "host:port", got "nope"']
 
