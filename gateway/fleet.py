@@ -252,7 +252,12 @@ class Fleet:
                             event: str = "worker.removed") -> None:
         """Drain, stop (SIGTERM, grace, SIGKILL; reaped) and forget a worker; logs ``event``
         (a restart's stop logs ``worker.restart_stopped``, not a removal)."""
-        await self.drain(worker_id, drain_s)
+        if await self.drain(worker_id, drain_s) and self.upstream is not None:
+            # what outlived the drain ends now, closing its connections: llama-server does not
+            # exit on SIGTERM while a request of it is open, so the stop waited stop_grace_s
+            # and SIGKILLed it, the streams silent meanwhile (an operator tester's find)
+            self.upstream.abort_worker(worker_id, "was stopped (a restart, reload or removal) "
+                                                  "before this answer was complete; please retry")
         sup = self.supervisors[worker_id]
         poller = self.pollers.pop(worker_id, None)
         if poller is not None:

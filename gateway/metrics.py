@@ -125,6 +125,9 @@ class GatewayMetrics:
                                  registry=r)
         self.tokens_out = Counter(f"{PREFIX}_generated_tokens", "Tokens generated", ["model"],
                                   registry=r)
+        self.cut = Counter(f"{PREFIX}_answers_cut", "Answers that began with 200 and ended "
+                           "with an error line or event (worker failed, stalled, shutdown)",
+                           ["endpoint", "model"], registry=r)
         self.reloads = Counter(f"{PREFIX}_config_reloads", "Config reloads by result", ["result"],
                                registry=r)
         self.unparsed = Counter(f"{PREFIX}_requests_unparsed",
@@ -154,6 +157,8 @@ class GatewayMetrics:
             # ended before the worker's own count (client left, worker failed, shutdown):
             # the answer's SSE events read from the worker, about one per generated token
             self.tokens_out.labels(model).inc(request["events_streamed"])
+        if status < 400 and request.get("error"):  # the 200 began, an error line ended it
+            self.cut.labels(ep, model).inc()
         if status >= 500:
             self.errors.add(ep, f"{status} {request.method} {request.path}"
                                 + (f" ({request['error']})" if request.get("error") else ""))

@@ -7,7 +7,8 @@ knew them (gateway/metrics.py ``note_*``; priority and, for a request that was n
 queue_wait_ms from its admission ticket): model, worker, priority, queue_wait_ms (time queued
 over all attempts of a retried request), ttft_ms, prompt_eval_count, eval_count (tokens),
 events_streamed (SSE events read from the workers, about one per token: what an answer that
-ended early, without the worker's counts, had generated).
+ended early, without the worker's counts, had generated), cut (the error an answer that began
+with 200 ended with: its status stays 200, ``llama_gateway_answers_cut_total`` counts it).
 
 ``guard_middleware``: who may come in and how big a request may be (see ``Guard.run``).
 """
@@ -114,6 +115,8 @@ def finished(request: web.Request, gw, status: int) -> None:
     extra = {k: request[k] for k in _ACCESS_FIELDS if request.get(k) is not None}
     if status == CLIENT_CLOSED:
         extra["client_left"] = True
+    elif status < 400 and request.get("error"):  # the answer began, an error line ended it
+        extra["cut"] = request["error"]
     log.info("request.done", request_id=request_id(request), method=request.method,
              path=request.path, status=status, ms=round(ms, 3), **extra)
 

@@ -53,6 +53,13 @@ def test_crash_mid_request_errors_streams_and_queued_run_elsewhere(gateway_facto
     ids = {e["request_id"] for e in events if e["event"] == "request.done"}
     for e in (e for e in events if e["event"] == "upstream.stream_broken"):
         assert e["request_id"] in ids and e["worker"] == victim["id"], e
+    # the two cut answers are counted as such (they showed only as status 200; an operator
+    # tester's find), and request.done says what cut them
+    cut = [e for e in events if e["event"] == "request.done" and e.get("cut")]
+    assert len(cut) == 2 and all(e["status"] == 200 and "worker" in e["cut"] for e in cut), cut
+    metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+    assert 'llama_gateway_answers_cut_total{endpoint="/api/generate",model="demo:latest"} 2.0' \
+        in metrics, [m for m in metrics.splitlines() if "answers_cut" in m]
 
 
 def test_crash_loop_marks_worker_failed_then_retries(tmp_path, gateway_factory):

@@ -584,6 +584,44 @@ def test_second_admin_restart_while_the_new_process_loads_joins_the_first(tmp_pa
     assert kids == [now["pid"]]
 
 
+def test_a_restart_whose_drain_runs_out_ends_the_stream_and_stops_at_once(gateway_factory):
+    """An admin restart whose drain (1 s) ends with a stream still running: the stream gets
+    its error line and its connection closes, so the worker exits on SIGTERM. The stream was
+    left open: the worker ignored SIGTERM for the whole stop grace (3 s here), was SIGKILLed,
+    and the stream sat silent meanwhile (an operator tester's find: the restart took 12.3 s)."""
+    cfg = base_config(free_port(), admin={"token": "t"}, shutdown={"drain_s": 1},
+                      llama_server={"threads": 1, "stop_grace_s": 3},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 65536, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    out: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
+            out.extend(ln for ln in r.iter_lines() if ln)
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(stream)
+        end = time.monotonic() + 20
+        while not gw.workers()[0]["busy"]:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        r = httpx.post(gw.url + "/gateway/api/admin/workers/demo-cpu0/restart",
+                       headers={"Authorization": "Bearer t"}, timeout=60)
+        took = time.monotonic() - t0
+        fut.result(30)
+    assert r.status_code == 200 and r.json()["state"] == "ready", r.text
+    stopped = [json.loads(x) for x in gw.log_path.read_text().splitlines()
+               if '"worker.restart_stopped"' in x or '"worker.stop_timeout"' in x]
+    assert [e["event"] for e in stopped] == ["worker.restart_stopped"], stopped
+    assert took < 1 + 3, took  # drain, stop and start: no stop grace waited out
+    assert json.loads(out[-1])["error"] == (
+        "worker demo-cpu0 was stopped (a restart, reload or removal) before this answer was "
+        "complete; please retry")
+
+
 def test_admin_restart_and_reload_finish_when_their_client_leaves(gateway_factory):
     """An admin client that leaves while its restart drains the worker (a CLI timeout, Ctrl-C)
     used to cancel the restart halfway (aiohttp cancels the handler): the worker stayed drained
