@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from typing import Awaitable, Callable
 
@@ -144,6 +145,16 @@ class WorkerSupervisor:
             for w in waits:
                 w.cancel()
         return self._ready_evt.is_set()
+
+    @property
+    def detail_now(self) -> str:
+        """``detail`` as of now: a ``failed`` worker's "next try in N s" counts down to its
+        ``retry_at`` (it stayed at ``failed_retry_s`` while the 503s counted down; an operator
+        tester's find)."""
+        if self.state == "failed" and self.retry_at is not None and "; next try in" in self.detail:
+            head = self.detail.partition("; next try in")[0]
+            return f"{head}; next try in {max(0, math.ceil(self.retry_at - time.monotonic()))} s"
+        return self.detail
 
     def _set_state(self, state: str, detail: str = "", retry_at: float | None = None) -> None:
         """The one writer of ``state``, ``detail`` and ``retry_at`` (``time.monotonic`` seconds

@@ -84,7 +84,7 @@ def snapshot(gw) -> dict:
         g = gpus.get(sup.spec.gpus[0]) if sup.spec.gpus else None
         out.append({
             "id": sup.id, "model": sup.spec.alias, "state": worker_state(gw, sup),
-            "detail": sup.detail, "draining": bool(view and view.draining),
+            "detail": sup.detail_now, "draining": bool(view and view.draining),
             "pid": proc.pid if proc and proc.returncode is None else None,
             "port": proc.port if proc else None, "gpus": list(sup.spec.gpus),
             "slots": view.slots if view else sup.spec.slots, "busy": view.busy if view else 0,
@@ -190,7 +190,7 @@ async def restart(request: web.Request) -> web.Response:
     if cur is None or sup.id in gw.fleet.retired:  # removed, or a reload is removing it
         raise ApiError(404, f"worker '{sup.id}' was removed by a config reload during its restart")
     proc = cur.process
-    return _json({"worker": cur.id, "state": worker_state(gw, cur), "detail": cur.detail,
+    return _json({"worker": cur.id, "state": worker_state(gw, cur), "detail": cur.detail_now,
                   "pid": proc.pid if proc and proc.returncode is None else None,
                   "draining": gw.fleet.draining(cur.id)})
 

@@ -518,7 +518,7 @@ async def ps(request: web.Request) -> web.Response:
             "expires_at": e.expires_at(_STARTED_AT).isoformat(),
             "size_vram": e.size * len(gpu_workers),
             "context_length": gw.context_per_slot(e.name),
-            "workers": [{"id": w.id, "state": w.state, "detail": w.detail,
+            "workers": [{"id": w.id, "state": w.state, "detail": w.detail_now,
                          "gpus": list(w.spec.gpus), "slots": w.spec.slots,
                          "restarts": w.restarts} for w in workers],
         })

@@ -81,8 +81,13 @@ def test_crash_loop_marks_worker_failed_then_retries(tmp_path, gateway_factory):
                                                    "stream": False}, timeout=30)
     assert r.status_code == 503 and "error" in r.json()
     restarts = w["restarts"]
+    assert w["detail"].endswith(("; next try in 4 s", "; next try in 3 s")), w["detail"]
     time.sleep(2)
-    assert gw.workers()[0]["restarts"] == restarts  # waiting, not looping
+    now = gw.workers()[0]
+    assert now["restarts"] == restarts  # waiting, not looping
+    # the detail counts down with the 503s' Retry-After (it said 4 s throughout; a fresh
+    # tester's find)
+    assert now["detail"].endswith(("; next try in 1 s", "; next try in 2 s")), now["detail"]
     w2 = wait_for(lambda: next((x for x in gw.workers() if x["crash_loops"] == 2), None), 30,
                   "second crash loop after the retry")
     assert w2["restarts"] == restarts + 3
