@@ -19,12 +19,11 @@ import orjson
 from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
-from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN
 from gateway.api.common import (make_ticket, note_upstream_error, read_json, start_stream,
                                 visible_entries)
-from gateway.api import openai_structured
-from gateway.api.capabilities import model_capabilities, require
-from gateway.api.errors import (ApiError, admission_error, model_not_found_v1, openai_error,
+from gateway.api import openai_checks, openai_structured
+from gateway.api.capabilities import model_capabilities
+from gateway.api.errors import (admission_error, model_not_found_v1, openai_error,
                                 openai_error_body, resolve_v1_model)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.api.openai_usage import UsageSum
@@ -42,76 +41,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     gw = _gw(request)
     body = await read_json(request)
     entry = resolve_v1_model(gw.inventory, body)
-    name = body["model"]
-    # As /api/chat and /api/generate (Ollama routes /v1 through them): an embedding model
-    # answers 400 "does not support chat|generate", not a generation.
-    await require(gw, entry, "chat" if required == "messages" else "generate", name)
-    if required not in body:
-        raise ApiError(400, f"{required} is required")
-    if required == "messages":
-        if not isinstance(body["messages"], list):
-            raise ApiError(400, "messages must be a list of message objects")
-        if not body["messages"]:
-            raise ApiError(400, "[] is too short - 'messages'")  # Ollama's openai middleware text
-        for i, m in enumerate(body["messages"]):
-            c = m.get("content") if isinstance(m, dict) else None
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
-                    c is None or isinstance(c, str) or
-                    (isinstance(c, list) and all(isinstance(p, dict) for p in c))):
-                raise ApiError(400, f"messages[{i}] must be an object with a string role and "
-                                    f"string, null or content-part list content")
-            for j, part in enumerate(c if isinstance(c, list) else ()):
-                if part.get("type", "text") == "text" and not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content[{j}].text must be a string")
-        if _has_image(body["messages"]):
-            await require(gw, entry, "vision", name)
-        tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(
-                isinstance(t, dict) for t in tools)):
-            raise ApiError(400, "tools must be a list of tool objects")
-        if tools:  # as Ollama's /v1 (through /api/chat): 400 for a template without tools
-            await require(gw, entry, "tools", name)
-        _named_tool_choice(body)
-    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
-        raise ApiError(400, "stream must be a boolean")
-    n = body.get("n")
-    if n is not None:
-        _check_int("n", n)
-        if n < 1:
-            raise ApiError(400, f"n must be an integer of at least 1, got {n}")
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (
-            isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
-        raise ApiError(400, "stop must be a string or a list of strings")
-    # llama-server reads these with a default when the type is wrong (json_value), so a string
-    # response_format or logit_bias was dropped without a word
-    for k, kinds, what in (("response_format", dict, "an object"),
-                           ("logit_bias", (dict, list), "an object")):
-        if body.get(k) is not None and not isinstance(body[k], kinds):
-            raise ApiError(400, f"{k} must be {what}, got {_short(body[k])}")
-    if body.get("response_format") is not None:
-        _check_response_format(body["response_format"])
-    if body.get("logit_bias") is not None:
-        _check_logit_bias(body["logit_bias"], entry.facts.n_vocab)
-    if body.get("seed") is not None:  # llama-server replaced one past 64 bits by a fixed seed
-        _check_int("seed", body["seed"])
-    if required == "messages" and body.get("logprobs") is not None and \
-            not isinstance(body["logprobs"], bool):  # OpenAI's chat: a boolean
-        raise ApiError(400, f"logprobs must be a boolean, got {_short(body['logprobs'])}")
-    if required == "messages" and body.get("top_logprobs") is not None:
-        top = body["top_logprobs"]
-        _check_int("top_logprobs", top)
-        if not 0 <= top <= 20:  # Ollama's check: its /v1 goes through /api/chat
-            raise ApiError(400, "top_logprobs must be between 0 and 20")
-    stream = body.get("stream") is True
-    so = body.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise ApiError(400, "stream_options must be an object")
-    include_usage = (so or {}).get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise ApiError(400, "stream_options.include_usage must be a boolean, got "
-                            f"{orjson.dumps(include_usage).decode()}")
-    include_usage = include_usage is True
+    stream, so, include_usage = await openai_checks.check_request(gw, entry, body, required)
     body["model"] = entry.name
     convert = None  # a completion's events turned into chat chunks (openai_structured)
     if required == "messages":
@@ -167,86 +97,6 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     return out
 
 
-def _named_tool_choice(body: dict) -> None:
-    """Check ``tool_choice`` (OpenAI: ``"none"``, ``"auto"``, ``"required"`` or ``{"type":
-    "function", "function": {"name": N}}``) and rewrite the named form, which the pinned
-    llama-server reads as a wrong type and replaces with ``"auto"`` without a word: the tools
-    are narrowed to the one named and the choice becomes ``"required"``, so the model must
-    call that function, as OpenAI does. Raises ApiError(400) for anything else, or a name not
-    among ``tools``."""
-    tc = body.get("tool_choice")
-    if tc is None or tc in ("none", "auto", "required"):
-        return
-    fn = tc.get("function") if isinstance(tc, dict) and tc.get("type") == "function" else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):
-        raise ApiError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
-                            "{\"type\": \"function\", \"function\": {\"name\": ...}}, got "
-                            f"{_short(tc)}")
-    named = [t for t in body.get("tools") or ()
-             if isinstance(t.get("function"), dict) and t["function"].get("name") == name]
-    if not named:
-        raise ApiError(400, f"tool_choice names function '{name}', which is not in tools")
-    body["tools"], body["tool_choice"] = named[:1], "required"
-
-
-def _short(v) -> str:
-    return orjson.dumps(v).decode()[:40]
-
-
-#: OpenAI's ``response_format.type`` values (llama-server's too, server-common.cpp).
-_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-
-
-def _check_response_format(rf: dict) -> None:
-    """Raise ApiError(400) for a ``response_format`` llama-server would drop without a word: a
-    ``type`` that is not one of OpenAI's strings (llama-server reads a non-string as absent and
-    runs unconstrained; an unknown string it refuses itself), or a ``json_schema`` /
-    ``json_schema.schema`` / ``schema`` that is not an object (read as "any object")."""
-    t = rf.get("type")
-    if t not in _RESPONSE_FORMATS:
-        raise ApiError(400, f"response_format.type must be one of 'text', 'json_object' or "
-                            f"'json_schema', got {_short(t)}")
-    if t == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict):
-            raise ApiError(400, f"response_format.json_schema must be an object, got {_short(js)}")
-        if js.get("schema") is not None and not isinstance(js["schema"], dict):
-            raise ApiError(400, "response_format.json_schema.schema must be an object, got "
-                                f"{_short(js['schema'])}")
-    if t == "json_object" and rf.get("schema") is not None and not isinstance(rf["schema"], dict):
-        raise ApiError(400, f"response_format.schema must be an object, got {_short(rf['schema'])}")
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check_logit_bias(lb, n_vocab: int) -> None:
-    """Raise ApiError(400) for a ``logit_bias`` llama-server would skip without a word: an
-    object whose values are not numbers (``false`` bans the token, llama-server's extension),
-    a list that is not of ``[token, bias]`` pairs (token id or text), or a token id outside the
-    vocabulary of ``n_vocab`` tokens (0: not known, unchecked); server-schema.cpp
-    ``logit_bias``. An object key that is not an integer is text, as llama-server reads it."""
-    pairs = []
-    if isinstance(lb, dict):
-        for k, v in lb.items():
-            if not (_is_number(v) or v is False):
-                raise ApiError(400, f"logit_bias[{_short(k)}] must be a number, got {_short(v)}")
-            pairs.append((int(k) if k.lstrip("-").isdigit() else k, k))
-    else:
-        for i, pair in enumerate(lb):
-            if not (isinstance(pair, list) and len(pair) == 2 and
-                    (isinstance(pair[0], str) or (isinstance(pair[0], int) and not isinstance(pair[0], bool)))
-                    and (_is_number(pair[1]) or pair[1] is False)):
-                raise ApiError(400, f"logit_bias[{i}] must be a [token, bias] pair, got {_short(pair)}")
-            pairs.append((pair[0], pair[0]))
-    for tok, shown in pairs:
-        if isinstance(tok, int) and (tok < 0 or (n_vocab and tok >= n_vocab)):
-            raise ApiError(400, f"logit_bias token {shown} is outside the model's vocabulary "
-                                f"of {n_vocab} tokens")
-
-
 async def _chat_route(gw, entry, body: dict, path: str):
     """Where a chat ``body`` runs: llama-server's chat route (``body``, ``path``, None) or a
     completion of its rendered template (the completion body, ``/v1/completions``, a
@@ -262,12 +112,6 @@ async def _chat_route(gw, entry, body: dict, path: str):
         return body, path, None
     return (openai_structured.completion_body(body, prompt, schema if structured else None),
             "/v1/completions", openai_structured.ChatChunks())
-
-
-def _has_image(messages: list) -> bool:
-    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and
-               any(isinstance(p, dict) and p.get("type") in ("image_url", "input_image")
-                   for p in m["content"]) for m in messages)
 
 
 # llama-server extensions a client must not set through the gateway: ``id_slot`` would pin a
@@ -298,7 +142,7 @@ def _bound_max_tokens(gw, body: dict) -> None:
         if v is None:
             del body[k]
             continue
-        _check_int(k, v)
+        openai_checks.check_int(k, v)
         budgeted = True
         if cap is not None and (v < 0 or v > cap):
             body[k] = cap
@@ -308,18 +152,6 @@ def _bound_max_tokens(gw, body: dict) -> None:
             body["max_tokens"] = gen.num_predict_default
         elif cap is not None:
             body["max_tokens"] = cap
-
-
-def _check_int(key: str, v) -> None:
-    """Raise ApiError(400) unless ``v`` is a JSON integer that fits 64 bits (llama-server's
-    JSON integers; Go's ``int`` under Ollama). orjson reads an integer literal past 64 bits as a
-    float, so a whole float past that range is called out of range, not "not an integer"."""
-    if isinstance(v, float) and v.is_integer() and not INT64_MIN <= v <= INT64_MAX:
-        raise ApiError(400, f"{key} is out of range for a 64-bit integer")
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"{key} must be an integer, got {_short(v)}")
-    if not INT64_MIN <= v <= INT64_MAX:
-        raise ApiError(400, f"{key} is out of range for a 64-bit integer")
 
 
 def _is_empty_prompt(p) -> bool:
