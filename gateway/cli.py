@@ -83,6 +83,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _args_override(args: list[str], slots: int, context: int) -> tuple[int, int, str]:
+    """(slots, context per slot, a note) of a worker whose llama-server ``args`` may hold their
+    own ``-np`` / ``-c`` (llama-server takes the last of each; the running gateway reads the
+    result back from ``/slots``): check-config printed the plan's values instead (a fresh
+    tester's find). The note says which flags changed them."""
+    def last(names: tuple[str, ...]) -> int | None:
+        value = None
+        for i, a in enumerate(args):
+            flag, eq, rest = a.partition("=")
+            if flag in names:
+                v = rest if eq else (args[i + 1] if i + 1 < len(args) else "")
+                value = int(v) if v.isdigit() else value
+        return value
+    np_, c = last(("-np", "--parallel")), last(("-c", "--ctx-size"))
+    if np_ is None and c is None:
+        return slots, context, ""
+    n = np_ or slots
+    total = c if c is not None else slots * context
+    return n, total // max(n, 1), " (set by -np/-c in args)"
+
+
 def _why(e: OSError) -> str:
     """Why a file could not be written, in words: ``mkdir(parents=True, exist_ok=True)`` of a
     parent that is a regular file raises FileExistsError ("File exists"), which says it wrong."""
@@ -114,8 +135,11 @@ def _calibrate(args, argv: list[str]) -> int:
     if bad is None:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
+            existed = out.exists()
             with open(out, "ab"):
                 pass
+            if not existed:  # only the finished profile is written there
+                out.unlink()
         except OSError as e:
             bad = f"--out cannot be written: {out} ({_why(e)})"
     if bad is not None:
@@ -130,6 +154,9 @@ def _calibrate(args, argv: list[str]) -> int:
     except (ProvisionError, ValueError) as e:  # no binary; too few slots to fit a batch slope
         sys.stderr.write(f"llama-gateway calibrate: {e}\n")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: its llama-server was stopped on the way out
+        sys.stderr.write("llama-gateway calibrate: interrupted, nothing written\n")
+        return 130
     out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
     sys.stdout.write(table(doc) + f"\nwritten: {out}\n")
     return 0
@@ -235,11 +262,15 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.write(f"llama-gateway: invalid config\n{e}\n")
                 return 2
             for w in plans:
-                ctx = slot_context(w.context, trained.get(w.model, 0))
-                capped = (f" (capped from {w.context}: the model's training context)"
-                          if ctx < w.context else "")
+                mcfg = cfg.find_model(w.model)
+                slots, per_slot, note = _args_override(
+                    list(cfg.llama_server.extra_args) + list(mcfg.args if mcfg else ()),
+                    w.slots, w.context)
+                ctx = slot_context(per_slot, trained.get(w.model, 0))
+                capped = (f" (capped from {per_slot}: the model's training context)"
+                          if ctx < per_slot else "")
                 sys.stdout.write(f"{w.id}\tmodel={w.model}\tgpus={list(w.gpus) or 'cpu'}\t"
-                                 f"slots={w.slots}\tcontext/slot={ctx}{capped}\n")
+                                 f"slots={slots}\tcontext/slot={ctx}{capped}{note}\n")
             planned = {w.model for w in plans}
             for m in cfg.models:  # what serve answers its requests, said before it starts
                 if m.full_name not in planned:
@@ -326,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "tokens\n")
                 return 2
         try:
+            if path.is_dir():  # "if missing" found it there and printed a folder as the model
+                raise IsADirectoryError(21, "Is a directory", str(path))
             if args.context_length is not None:
                 path = write_demo_model(path, n_ctx_train=args.context_length)
             else:

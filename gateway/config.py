@@ -461,16 +461,17 @@ StrictBool = Annotated[bool, PlainValidator(_v_bool)]
 StrList = Annotated[list[str], PlainValidator(_v_str_list)]
 
 #: llama-server flags the gateway sets on every worker's command line and must own: how it
-#: reaches the worker (``--host``, ``--port``, the per-start key in ``LLAMA_API_KEY``), which
+#: reaches the worker (``--host``, ``--port``, plain HTTP at the root path: ``--api-prefix``,
+#: ``--ssl-*``; the per-start key in ``LLAMA_API_KEY``), which
 #: model it loads and names (``-m``, ``--alias``, and the flags that fetch another model), and
 #: the ``/slots`` endpoint it reads. llama-server takes the last of repeated flags, so one in
 #: ``args`` won: with ``--port`` the gateway polled a port nobody listened on and a reload
 #: waited ``startup_timeout_s`` for it (a fresh tester's find). ``-np`` and ``-c`` are the
 #: operator's to override (the gateway reads the result back from ``/slots``).
 GATEWAY_FLAGS = frozenset({
-    "--host", "--port", "--api-key", "--api-key-file", "-m", "--model", "-a", "--alias",
-    "-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-dr",
-    "--docker-repo", "--no-slots"})
+    "--host", "--port", "--api-key", "--api-key-file", "--api-prefix", "--ssl-key-file",
+    "--ssl-cert-file", "-m", "--model", "-a", "--alias", "-mu", "--model-url", "-hf", "-hfr",
+    "--hf-repo", "-hff", "--hf-file", "-dr", "--docker-repo", "--no-slots"})
 
 
 def _v_worker_args(v: object) -> list[str]:
@@ -478,7 +479,8 @@ def _v_worker_args(v: object) -> list[str]:
     :data:`GATEWAY_FLAGS` (also as ``--flag=value``)."""
     out = _v_str_list(v)
     errs = [((i,), f"{a.split('=', 1)[0]} is set by the gateway on every worker (it picks the "
-                   f"host, port, API key, model and alias, and reads /slots); remove it")
+                   f"host, port, API key, model and alias, and reads /slots over plain HTTP "
+                   f"at the root path); remove it")
             for i, a in enumerate(out) if a.split("=", 1)[0] in GATEWAY_FLAGS]
     if errs:
         raise _Invalid(*errs)

@@ -109,6 +109,16 @@ class ReloadResult:
         return dict(self.__dict__)
 
 
+def _not_ready_why(sup, ready_timeout_s: float) -> str:
+    """Why a worker a reload started is not ready, in words: its state and detail (its next
+    automatic try is moot: the reload undoes it now), or the wait that ran out (a worker still
+    ``starting`` said only "(starting)"; a fresh tester's find)."""
+    if sup.state == "starting":
+        return f"not ready within {ready_timeout_s:g} s (llama_server.startup_timeout_s)"
+    detail = sup.detail.partition("; next try in")[0]
+    return f"{sup.state}: {detail}" if detail else sup.state
+
+
 class Reloader:
     """Reloads ``path`` into the running gateway ``gw``."""
 
@@ -173,7 +183,8 @@ class Reloader:
             configure(new.log.level, new.log.format)
         drain_s = new.shutdown.drain_s
         fleet = gw.fleet
-        for plan in diff.added:
+        for plan in diff.added:  # on trial until _check_added: a crash loop is not the model's
+            fleet.trials.add(plan.id)
             fleet.add_worker(plan)
         res.changed = await self._roll_out(diff.changed, drain_s,
                                            new.llama_server.startup_timeout_s, res)
@@ -198,14 +209,20 @@ class Reloader:
         fleet = self.gw.fleet
         dispatcher = self.gw.admission.dispatcher
         sups = [(p, fleet.supervisors[p.id]) for p in added if p.id in fleet.supervisors]
-        ok = await asyncio.gather(*(sup.wait_ready(ready_timeout_s) for _, sup in sups))
+        try:
+            ok = await asyncio.gather(*(sup.wait_ready(ready_timeout_s) for _, sup in sups))
+        finally:
+            # Requests for a new model wait meanwhile (Fleet.trials): they got the crash loop's
+            # 503 "tries again in 300 s, or restart it" for a worker that was then removed (a
+            # fresh tester's find); a removed one leaves them NotStarted (refuse_queued).
+            for p in added:
+                fleet.trials.discard(p.id)
         failed = {p.id for (p, _), ready in zip(sups, ok) if not ready}
         for (plan, sup), ready in zip(sups, ok):
             if ready:
                 continue
             wid = plan.id
-            detail = sup.detail.partition("; next try in")[0]
-            why = f"{sup.state}: {detail}" if detail else sup.state
+            why = _not_ready_why(sup, ready_timeout_s)
             log.error("worker.reload_not_ready", worker=wid, state=sup.state, detail=sup.detail,
                       not_restarted=[])
             if all(w.id in failed for w in dispatcher.workers.values() if w.model == plan.model):
@@ -244,9 +261,7 @@ class Reloader:
             if sup.ready:
                 done.append(plan.id)
                 continue
-            # its next automatic try is moot: it is rolled back now
-            detail = sup.detail.partition("; next try in")[0]
-            why = f"{sup.state}: {detail}" if detail else sup.state
+            why = _not_ready_why(sup, ready_timeout_s)
             rest = [p.id for p in changed[i + 1:]]
             log.error("worker.reload_not_ready", worker=plan.id, state=sup.state,
                       detail=sup.detail, not_restarted=rest)

@@ -226,3 +226,52 @@ def test_demo_model_under_a_regular_file_says_so(tmp_path):
     r = run("demo-model", "--path", str(f / "x.gguf"))
     assert r.returncode == 1, r.stderr
     assert r.stderr == f"llama-gateway demo-model: cannot write {f}/x.gguf: {f} is not a directory\n"
+
+
+def test_demo_model_to_an_existing_folder_is_refused(tmp_path):
+    """It printed the folder as the model path, exit 0 (a fresh tester's find)."""
+    r = run("demo-model", "--path", str(tmp_path))
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+    assert r.stderr == f"llama-gateway demo-model: cannot write {tmp_path}: Is a directory\n"
+
+
+@pytest.mark.slow
+def test_calibrate_stopped_by_sigterm_leaves_no_llama_server_and_no_file(tmp_path):
+    """SIGTERM to calibrate (a timeout, a cancelled job) left its llama-server running under
+    PID 1, and the up-front write check left an empty profile behind (a fresh tester's find)."""
+    import signal
+    import time
+
+    import psutil
+    out = tmp_path / "cal.json"
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "calibrate", "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = None
+    end = time.monotonic() + 60
+    while child is None and time.monotonic() < end:
+        kids = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                if c.name() == "llama-server"]
+        child = kids[0] if kids else None
+        time.sleep(0.1)
+    assert child is not None, "calibrate started no llama-server"
+    assert not out.exists()  # checked writable, not left there
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    assert psutil.wait_procs([child], timeout=10)[1] == [], "its llama-server outlived it"
+    assert not out.exists()
+
+
+def test_check_config_shows_np_and_c_from_args(tmp_path):
+    """``-np`` / ``-c`` in args override the plan (the gateway reads them back from /slots);
+    check-config printed the plan's slots and context instead (a fresh tester's find)."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("listen: 127.0.0.1:0\nmodels:\n"
+                   "  - {name: npo, path: builtin:demo, cpu: 1, slots: 3, context: 1024, args: [-np, 1]}\n"
+                   "  - {name: c2, path: builtin:demo, cpu: 1, slots: 2, context: 512, args: [--ctx-size=2048]}\n"
+                   "  - {name: plain, path: builtin:demo, cpu: 1, slots: 2, context: 1024}\n")
+    r = run("check-config", "-c", str(cfg))
+    assert r.returncode == 0, r.stderr
+    rows = dict(line.split("\t", 1) for line in r.stdout.splitlines())
+    assert rows["npo-cpu0"].endswith("slots=1\tcontext/slot=3072 (set by -np/-c in args)")
+    assert rows["c2-cpu0"].endswith("slots=2\tcontext/slot=1024 (set by -np/-c in args)")
+    assert rows["plain-cpu0"].endswith("slots=2\tcontext/slot=1024")

@@ -91,7 +91,7 @@ def test_error_args_that_the_gateway_sets_itself():
     never answered where the gateway looked, and a reload waited ``startup_timeout_s`` for it
     (a fresh tester's find). ``-np`` and ``-c`` stay the operator's to set."""
     why = ("is set by the gateway on every worker (it picks the host, port, API key, model and "
-           "alias, and reads /slots); remove it")
+           "alias, and reads /slots over plain HTTP at the root path); remove it")
     assert errors_of({**base(args=["-np", "2", "--port", "1234", "--alias=x"]),
                       "llama_server": {"extra_args": ["--api-key", "k", "-m", "m.gguf"]}}) == [
         f"llama_server.extra_args[0]: --api-key {why}",

@@ -21,7 +21,9 @@ from gateway.logs import get_logger
 PR_SET_PDEATHSIG = 1
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+def set_pdeathsig() -> None:
+    """``preexec_fn`` of a llama-server child (runs between fork and exec): SIGKILL it when
+    its parent dies (``PR_SET_PDEATHSIG``), in a process group of its own."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -235,7 +237,7 @@ class WorkerProcess:
         self.proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=self.spec.env(self.api_key),
-            preexec_fn=_set_pdeathsig)
+            preexec_fn=set_pdeathsig)
         self.log.info("worker.spawned", pid=self.proc.pid, port=self.port, argv=" ".join(argv[1:]))
         try:
             self._write_pidfile()

@@ -133,6 +133,9 @@ def _messages(body: dict) -> tuple[list[dict], bool]:
             content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string")
+        for k in ("thinking", "tool_name", "tool_call_id"):  # Ollama's string fields
+            if m.get(k) is not None and not isinstance(m[k], str):
+                raise ApiError(400, f"messages[{i}].{k} must be a string")
         images = _images(m.get("images"), f"messages[{i}].images")
         msg: dict = {"role": role.lower(), "content": content}
         if images:
@@ -179,6 +182,8 @@ def _think_kwargs(think) -> dict:
 
 async def _common_checks(request: web.Request, body: dict, entry: ModelEntry, kind: str):
     """Validation shared by generate and chat; returns (think, logprobs, top_logprobs, keep_alive_s)."""
+    for k in ("truncate", "shift"):  # ignored (README), but booleans in Ollama's API
+        optional(body, k, bool, "a boolean")
     keep_alive = parse_keep_alive(body.get("keep_alive"))
     think = parse_think(body.get("think"))
     lp, top = parse_logprobs(body)
@@ -321,8 +326,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     msgs, any_image = _messages(body)
     think, lp, top, keep_alive = await _common_checks(request, body, entry, "chat")
     tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise ApiError(400, "tools must be a list")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ApiError(400, "tools must be a list of tool objects")
     gw = _gw(request)
     if tools:
         await require(gw, entry, "tools", body["model"])
@@ -500,7 +505,9 @@ async def tags(request: web.Request) -> web.Response:
 
 
 async def ps(request: web.Request) -> web.Response:
-    """Every served model (the gateway keeps them loaded), sorted by ``expires_at`` descending.
+    """Every served model with a worker (the gateway keeps them loaded; a model with none, as
+    none is planned here or a reload could not start it, is not), sorted by ``expires_at``
+    descending.
 
     ``expires_at``: never, as Ollama shows a model kept forever (``ModelEntry.expires_at``: about
     292 years after the last request), since the gateway does not unload whatever ``keep_alive``
@@ -511,6 +518,8 @@ async def ps(request: web.Request) -> web.Response:
     models = []
     for e in visible_entries(request):
         workers = [w for w in gw.fleet.supervisors.values() if w.spec.alias == e.name]
+        if not workers:  # no worker planned here, or a reload's that did not start: not loaded
+            continue
         gpu_workers = [w for w in workers if w.spec.gpus]
         models.append({
             "name": e.name, "model": e.name, "size": e.size, "digest": e.digest,
@@ -519,7 +528,8 @@ async def ps(request: web.Request) -> web.Response:
             "size_vram": e.size * len(gpu_workers),
             "context_length": gw.context_per_slot(e.name),
             "workers": [{"id": w.id, "state": w.state, "detail": w.detail_now,
-                         "gpus": list(w.spec.gpus), "slots": w.spec.slots,
+                         "gpus": list(w.spec.gpus),
+                         "slots": getattr(w, "actual_slots", w.spec.slots),  # as /slots says
                          "restarts": w.restarts} for w in workers],
         })
     models.sort(key=lambda m: m["expires_at"], reverse=True)

@@ -40,6 +40,13 @@ _PROCESS_LEVEL = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "
 _RENAME = {"num_keep": "n_keep", "num_predict": "n_predict"}
 
 
+def past_int64(v) -> bool:
+    """Whether ``v`` is a whole float at least 2**63 in size: an integer literal orjson could
+    not keep as an integer (it reads those past 64 bits as floats, and the float nearest
+    -2**63 - 1 is -2**63, which a range check lets through)."""
+    return isinstance(v, float) and v.is_integer() and abs(v) >= 2.0 ** 63
+
+
 def map_options(options: object, *, num_predict_default: int, num_predict_max: int | None,
                 ignored: list[str] | None = None) -> dict:
     """Ollama ``options`` → llama-server body fields.
@@ -61,7 +68,8 @@ def map_options(options: object, *, num_predict_default: int, num_predict_max: i
         if k in _INT:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ApiError(400, f'option "{k}" must be of type integer')
-            if not INT64_MIN <= v <= INT64_MAX:  # Go's int is 64-bit; so is llama-server's JSON
+            if past_int64(v) or not INT64_MIN <= v <= INT64_MAX:  # Go's int is 64-bit; so is
+                # llama-server's JSON
                 raise ApiError(400, f'option "{k}" is out of range for a 64-bit integer')
             v = int(v)
         elif k in _FLOAT:

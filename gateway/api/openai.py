@@ -46,6 +46,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     convert = None  # a completion's events turned into chat chunks (openai_structured)
     if required == "messages":
         body, path, convert = await _chat_route(gw, entry, body, path)
+    else:
+        openai_structured.completions_format(body)
     # A non-streamed request is streamed from the worker and folded (module doc); its
     # stream_options change nothing the client sees, as llama-server ignores them then.
     per_prompt = sizing.choices(body)  # tasks per prompt, which groups the usages to sum

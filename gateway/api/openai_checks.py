@@ -10,7 +10,7 @@ import orjson
 
 from gateway.api.capabilities import require
 from gateway.api.errors import ApiError
-from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN
+from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN, past_int64
 
 
 async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dict | None, bool]:
@@ -180,8 +180,9 @@ def _has_image(messages: list) -> bool:
 def check_int(key: str, v) -> None:
     """Raise ApiError(400) unless ``v`` is a JSON integer that fits 64 bits (llama-server's
     JSON integers; Go's ``int`` under Ollama). orjson reads an integer literal past 64 bits as a
-    float, so a whole float past that range is called out of range, not "not an integer"."""
-    if isinstance(v, float) and v.is_integer() and not INT64_MIN <= v <= INT64_MAX:
+    float, so a whole float of that size is called out of range, not "not an integer" (the
+    float of -2**63 - 1 is -2**63 itself: ``past_int64``)."""
+    if past_int64(v):
         raise ApiError(400, f"{key} is out of range for a 64-bit integer")
     if isinstance(v, bool) or not isinstance(v, int):
         raise ApiError(400, f"{key} must be an integer, got {_short(v)}")

@@ -9,7 +9,8 @@ back into chat chunks. Two kinds of chat take this route:
   own grammar let through (seen on the pinned build for 10 of 24 seeds of ``json_object`` on
   the demo model: text that is not valid UTF-8 inside a JSON string, answers cut by
   ``max_tokens``). The completion route does not parse the answer: it is the text the grammar
-  allowed. Taken only where it gives what the chat route would: no ``logprobs``, no
+  allowed. Taken only where it gives what the chat route would: no ``logprobs``, no last
+  assistant message (a prefill, which the chat route's grammar continues), no
   llama-server ``grammar`` / ``json_schema`` of the client's own, text-only messages (media
   need the chat route's projector handling), and a model whose chat template has no reasoning
   (``thinking`` capability), whose chat-route grammar lets it reason before the JSON. ``tools``
@@ -41,17 +42,40 @@ def completion_schema(body: dict) -> dict | None:
     completion (module doc; ``{}``: any JSON object), else None. The model's ``thinking``
     capability is the caller's to check. ``body`` was validated (``openai._check_response_format``)."""
     rf = body.get("response_format")
-    if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
+    if format_schema(rf) is None:
         return None
     if body.get("logprobs") or "grammar" in body or "json_schema" in body:
         return None
-    for m in body.get("messages") or ():
+    msgs = body.get("messages") or ()
+    if msgs and msgs[-1].get("role") == "assistant":
+        # a prefill: llama-server's chat route continues it under the grammar (its parser
+        # counts the prefill in); a completion would start a new JSON value after it
+        return None
+    for m in msgs:
         c = m.get("content")
         if isinstance(c, list) and any(p.get("type", "text") != "text" for p in c):
             return None
+    return format_schema(rf)
+
+
+def format_schema(rf) -> dict | None:
+    """The JSON schema of a validated ``response_format`` (``{}``: any JSON object), or None
+    for ``text`` / none."""
+    if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
+        return None
     if rf["type"] == "json_schema":
         return rf["json_schema"].get("schema") or {}
     return rf.get("schema") or {}
+
+
+def completions_format(body: dict) -> None:
+    """``/v1/completions``: llama-server reads no ``response_format`` there (only its own
+    ``json_schema`` / ``grammar``), so a valid one was checked and then dropped without a word
+    (a fresh tester's find); it becomes ``json_schema``, unless the body has its own."""
+    schema = format_schema(body.get("response_format"))
+    if schema is not None and "json_schema" not in body and "grammar" not in body:
+        body["json_schema"] = schema
+        del body["response_format"]
 
 
 def template_fields(body: dict) -> dict:

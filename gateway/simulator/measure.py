@@ -46,7 +46,7 @@ from gateway.simulator.calibration import (
     profile_dict,
     step_s,
 )
-from workers.process import LaunchSpec, free_port
+from workers.process import LaunchSpec, free_port, set_pdeathsig
 
 log = get_logger(__name__)
 
@@ -79,8 +79,10 @@ def start_server(spec: LaunchSpec) -> Iterator[Server]:
     port = free_port()
     key = secrets.token_hex(16)
     argv = spec.argv(port)
+    # dies with this process, as the gateway's workers do: calibrate stopped by SIGTERM (a
+    # timeout, a cancelled job) left its llama-server running (a fresh tester's find)
     proc = subprocess.Popen(argv, env=spec.env(key), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, preexec_fn=set_pdeathsig)
     srv = Server(proc, f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}, argv)
     try:
         deadline = time.monotonic() + 60

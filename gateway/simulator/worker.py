@@ -34,6 +34,7 @@ scheduler never sends such a task.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -99,13 +100,16 @@ class GpuProfile:
         if not isinstance(p, dict):
             raise ValueError(f"{path}: expected a JSON object with a 'profile' object")
         figures = {}
-        for key, low in (("prefill_tps", 0.0), ("decode_s1", 0.0), ("batch_slope", None),
-                         ("attn_s_per_token", None)):
+        # (figure, whether 0 is allowed, the largest sane value): NaN, infinities and absurd
+        # sizes ran the simulation forever (a fresh tester's find)
+        for key, zero_ok, high in (("prefill_tps", False, 1e9), ("decode_s1", False, 60.0),
+                                   ("batch_slope", True, 1e3), ("attn_s_per_token", True, 1.0)):
             v = p.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) \
-                    or (v <= low if low is not None else v < 0):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not (0 <= v <= high) or (v == 0 and not zero_ok):
                 raise ValueError(f"{path}: profile.{key}: expected a "
-                                 f"{'positive' if low is not None else 'non-negative'} number, got {v!r}")
+                                 f"{'non-negative' if zero_ok else 'positive'} number up to "
+                                 f"{high:g}, got {v!r}")
             figures[key] = float(v)
         return cls(str(p.get("name") or os.path.basename(path)), source=str(p.get("source") or path),
                    **figures)

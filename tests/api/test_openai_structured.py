@@ -71,6 +71,7 @@ def test_which_chats_run_as_a_completion():
     assert completion_schema({**base, "tools": tools}) == {}  # rendered into the prompt
     for other in ({"response_format": {"type": "text"}}, {"response_format": None},
                   {"logprobs": True}, {"grammar": "root ::= \"a\""},
+                  {"messages": MSGS + [{"role": "assistant", "content": '{"k":'}]},
                   {"messages": [{"role": "user", "content": [
                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}):
         assert completion_schema({**base, **other}) is None, other

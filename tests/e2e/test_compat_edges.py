@@ -214,7 +214,10 @@ def test_ollama_stream_must_be_a_boolean(gw, path, body):
     ("/api/embed", "options", "x", "options must be an object"),
     ("/api/embed", "truncate", 1, "truncate must be a boolean"),
     ("/api/embeddings", "prompt", [], "prompt must be a string"),
-    ("/api/embeddings", "options", [], "options must be an object")])
+    ("/api/embeddings", "options", [], "options must be an object"),
+    ("/api/generate", "truncate", "", "truncate must be a boolean"),
+    ("/api/chat", "shift", 5, "shift must be a boolean"),
+    ("/api/chat", "tools", [5], "tools must be a list of tool objects")])
 def test_ollama_fields_of_the_wrong_type_are_400(gw, path, field, value, msg):
     """``""``, ``[]`` and ``{}`` passed as unset values (a falsy default) and the field was
     ignored; Ollama's JSON decoding answers 400 (a fresh tester's find)."""
@@ -228,6 +231,26 @@ def test_ollama_fields_of_the_wrong_type_are_400(gw, path, field, value, msg):
     body[field] = value
     r = httpx.post(gw.url + path, json=body, timeout=30)
     assert r.status_code == 400 and r.json() == {"error": msg}, r.text
+
+
+@pytest.mark.parametrize("field,value", [("thinking", 5), ("tool_name", 5), ("tool_call_id", [])])
+def test_ollama_message_fields_of_the_wrong_type_are_400(gw, field, value):
+    """``thinking: 5`` passed; ``tool_name: 5`` got llama-server's "json.exception" text (a
+    fresh tester's find)."""
+    r = httpx.post(gw.url + "/api/chat", timeout=30, json={
+        "model": "demo", "stream": False, "options": {"num_predict": 1},
+        "messages": [{"role": "user", "content": "x", field: value}]})
+    assert r.status_code == 400 and r.json() == {"error": f"messages[0].{field} must be a string"}
+
+
+def test_ollama_option_past_64_bits_below_zero_is_400(gw):
+    """-2**63 - 1 reaches the gateway as the float -2**63 and was accepted (a fresh tester's
+    find; 2**64 was refused)."""
+    r = httpx.post(gw.url + "/api/generate", timeout=30, json={
+        "model": "demo", "prompt": "x", "stream": False,
+        "options": {"num_predict": 1, "seed": -2 ** 63 - 1}})
+    assert r.status_code == 400
+    assert r.json() == {"error": 'option "seed" is out of range for a 64-bit integer'}
 
 
 def test_ollama_null_fields_are_unset(gw):

@@ -143,11 +143,25 @@ def test_n_2_chat_that_renders_to_nothing_answers_at_once(gw):
     assert busy == [0], gw.workers()
 
 
+def test_v1_completions_apply_a_response_format(gw):
+    """llama-server's /v1/completions reads no ``response_format``: a valid one was checked
+    and then dropped (a fresh tester's find). It becomes the completion's JSON schema."""
+    for seed in range(4):
+        r = httpx.post(gw.url + "/v1/completions", timeout=30, json={
+            "model": "demo", "prompt": "hi", "max_tokens": 30, "seed": seed,
+            "response_format": {"type": "json_object"}})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].lstrip().startswith("{"), r.json()
+
+
 def test_v1_seed_past_64_bits_and_a_non_boolean_chat_logprobs_are_400(gw):
     """llama-server replaced a seed past 64 bits with one fixed seed and read ``logprobs: 1``
     as true (a fresh tester's find)."""
     for path, body, msg in (
             ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70},
+             "seed is out of range for a 64-bit integer"),
+            # orjson reads it as the float -2**63, which a range check let through
+            ("/v1/completions", {"prompt": "hi", "seed": -2 ** 63 - 1},
              "seed is out of range for a 64-bit integer"),
             ("/v1/chat/completions", {"messages": MSG, "seed": 1.5}, "seed must be an integer, got 1.5"),
             ("/v1/chat/completions", {"messages": MSG, "logprobs": 1},

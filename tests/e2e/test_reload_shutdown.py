@@ -867,8 +867,24 @@ def test_reload_that_adds_a_worker_that_cannot_start_removes_it_again(gateway_fa
                           "cpu": 1, "args": ["--definitely-not-a-flag"]})
     gw.cfg_path.write_text(yaml.safe_dump(bad))
     t0 = time.monotonic()
-    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=400)
+    with cf.ThreadPoolExecutor(3) as ex:
+        reload = ex.submit(httpx.post, gw.url + "/gateway/api/admin/reload", headers=admin,
+                           timeout=400)
+        # requests for the new model sent while its worker fails wait for the outcome and
+        # then get the reason: they got the crash loop's "tries again in 300 s, or restart it"
+        # with Retry-After 300 for a worker that was removed (a fresh tester's find)
+        end = time.monotonic() + 30
+        while "other:latest" not in {m["name"] for m in httpx.get(gw.url + "/api/tags").json()[
+                "models"]} and time.monotonic() < end:
+            time.sleep(0.05)
+        waiting = [ex.submit(httpx.post, gw.url + "/api/generate", timeout=60, json={
+            "model": "other", "prompt": "x", "raw": True, "stream": False}) for _ in range(2)]
+        r = reload.result()
+        early = [f.result() for f in waiting]
     assert time.monotonic() - t0 < 90  # the crash loop, not a startup timeout
+    for e in early:
+        assert e.status_code == 503 and "Retry-After" not in e.headers, e.text
+        assert e.json()["error"].startswith("model 'other:latest' has no running worker: "), e.text
     assert r.status_code == 400, r.text
     body = r.json()
     assert body["ok"] is False and body["rolled_back"] == ["other-cpu0"] and body["added"] == []
@@ -886,6 +902,8 @@ def test_reload_that_adds_a_worker_that_cannot_start_removes_it_again(gateway_fa
     other = httpx.post(gw.url + "/api/generate", timeout=60, json={
         "model": "other", "prompt": "x", "raw": True, "stream": False})
     assert other.status_code == 503 and "Retry-After" not in other.headers, other.text
+    # not listed as a loaded model (it was, with "workers": []; a fresh tester's find)
+    assert [m["name"] for m in httpx.get(gw.url + "/api/ps").json()["models"]] == ["demo:latest"]
     assert other.json()["error"] == (
         "model 'other:latest' has no running worker: the config reload that added it could not "
         "start its worker (failed: crash loop: 3 restarts within 120 s (last: exited during "

@@ -32,7 +32,11 @@ def test_from_json_defaults_name_and_source_to_the_file(tmp_path):
 
 @pytest.mark.parametrize("key, value", [("decode_s1", 0), ("prefill_tps", -1.0),
                                         ("batch_slope", -0.1), ("attn_s_per_token", "1e-7"),
-                                        ("decode_s1", True), ("prefill_tps", None)])
+                                        ("decode_s1", True), ("prefill_tps", None),
+                                        # NaN, infinities and absurd sizes ran the simulation
+                                        # forever (a fresh tester's find)
+                                        ("prefill_tps", float("nan")), ("decode_s1", float("inf")),
+                                        ("batch_slope", 1e300), ("attn_s_per_token", 2.0)])
 def test_from_json_names_a_bad_figure(tmp_path, key, value):
     p = write(tmp_path, {"profile": {**GOOD, key: value}})
     with pytest.raises(ValueError, match=f"profile.{key}"):
