@@ -63,6 +63,7 @@ class Gateway:
         self.stopping = asyncio.Event()
         #: a second SIGTERM/SIGINT during the stop: end the drain now (gateway/drain.py)
         self.hurry = asyncio.Event()
+        self.draining_requests = False  # the drain's wait for running requests is on
         self.inflight: dict[int, web.Request] = {}  # id(request) -> request being handled (middleware)
         #: Inference requests accepted and not yet answered (queued or running; the guard
         #: middleware counts them): the in-flight figure of /metrics and the status API.
@@ -295,9 +296,13 @@ async def serve(config: GatewayConfig, config_path: str | None = None) -> int:
                                                                 reason="shutting down"))
 
         def hurry(sig: signal.Signals) -> None:  # Ctrl-C twice: do not wait out drain_s
-            if not gw.hurry.is_set():
+            if gw.hurry.is_set():
+                return
+            gw.hurry.set()
+            if gw.draining_requests:
                 log.warning("gateway.drain_cut_short", signal=sig.name)
-                gw.hurry.set()
+            else:  # the drain is over: the workers are being stopped
+                log.info("gateway.signal_ignored", signal=sig.name, reason="stopping workers")
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, hurry, sig)

@@ -74,10 +74,15 @@ async def graceful_stop(gw: "Gateway") -> None:
     log.info("gateway.draining", in_flight=len(gw.inflight), drain_s=drain_s)
     try:
         await stop_accepting(gw)
-        left = await _wait_idle(gw, drain_s, getattr(gw, "hurry", None))
+        gw.draining_requests = True
+        try:
+            left = await _wait_idle(gw, drain_s, getattr(gw, "hurry", None))
+        finally:
+            gw.draining_requests = False
         if left:
             log.warning("gateway.drain_timeout", still_running=left,
-                        queued=len(gw.dispatcher.queue), drain_s=drain_s)
+                        queued=len(gw.dispatcher.queue), drain_s=drain_s,
+                        s=round(time.monotonic() - t0, 3))
             gw.admission.shut_down()  # queued ones: 503 "server shutting down" now
             if gw.upstream:  # running ones: their error line now, and no connection left open
                 ended = gw.upstream.end_running()  # to keep a worker from its SIGTERM exit
