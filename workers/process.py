@@ -296,7 +296,9 @@ class WorkerProcess:
         rc = await self.proc.wait()
         for t in self._pipes:
             try:
-                await asyncio.wait_for(t, 2)
+                # what it wrote last (often why it exited) is still being read: 2 s lost a
+                # line on a loaded machine once; the limit is for pipes a grandchild holds open
+                await asyncio.wait_for(t, 5)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 t.cancel()
         self._remove_pidfile()
