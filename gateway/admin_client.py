@@ -18,7 +18,10 @@ class AdminError(Exception):
 
 
 def _url(url: str | None) -> str:
-    return (url or os.environ.get("LLAMA_GATEWAY_URL") or DEFAULT_URL).rstrip("/")
+    """The gateway's base URL: ``url``, ``$LLAMA_GATEWAY_URL`` or the default; ``host:port``
+    without a scheme means http (as ``OLLAMA_HOST`` does; it was an httpx error)."""
+    u = (url or os.environ.get("LLAMA_GATEWAY_URL") or DEFAULT_URL).rstrip("/")
+    return u if "://" in u else "http://" + u
 
 
 def _call(method: str, url: str, token: str | None = None, timeout: float = 10) -> dict:

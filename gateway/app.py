@@ -167,6 +167,15 @@ class Gateway:
         sups = self.fleet.supervisors.values() if self.fleet else ()
         return {s.id: worker_state(self, s) for s in sups}
 
+    def _forget_props(self, model: str) -> None:
+        """A new worker process of ``model`` is ready: what an earlier one's ``/props`` said
+        (chat template, vision) is asked again when next needed. A reload or restart that
+        changed ``--chat-template-file`` kept the old template's capabilities until the
+        gateway restarted: tools refused, or accepted and dropped (a fresh tester's find)."""
+        entry = self.inventory.resolve(model) if self.inventory is not None else None
+        if entry is not None:
+            entry.worker_template, entry.worker_vision = None, False
+
     def fleet_status(self) -> str:
         return fleet_status(self.worker_states())
 
@@ -229,6 +238,7 @@ class Gateway:
                                  on_stall=self.fleet.note_stall,
                                  on_progress=self.fleet.note_progress)
         self.fleet.upstream = self.upstream
+        self.fleet.on_new_process = self._forget_props
         await self.upstream.start()
         # Listen first: requests that arrive while workers load wait in the queue.
         # keepalive_timeout doubles as the header read timeout: aiohttp closes a connection

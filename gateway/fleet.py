@@ -99,6 +99,9 @@ class Fleet:
         #: is not the model's (the reload puts them back on their previous settings at once)
         self.trials: set[str] = set()
         self.upstream = None  # set by the gateway: streams of a worker that goes down are ended
+        #: set by the gateway: called with a model's full name when a new process of it is
+        #: ready (its chat template or projector may have changed: a reload or restart)
+        self.on_new_process = None
         self.pollers: dict[str, WorkerPoller] = {}
         self.bytes_per_token: dict[str, float] = {}
         self.speeds = SpeedBoard()  # measured decode speed per worker process
@@ -386,6 +389,8 @@ class Fleet:
             self.admission.worker_context(sup.id, int(sup.slots_n_ctx),
                                           self.plans[sup.id].total_context)
         self.admission.worker_ready(sup.id, True)
+        if self.on_new_process is not None:
+            self.on_new_process(sup.spec.alias)
         if sup.spec.alias not in self.bytes_per_token and self._session is not None:
             t = asyncio.get_running_loop().create_task(self._measure_tokenizer(sup))
             self._tasks.add(t)

@@ -220,6 +220,7 @@ async def api_embed(request: web.Request) -> web.Response:
     entry.touch(parse_keep_alive(body.get("keep_alive")))
     t_loaded = time.monotonic_ns()
     vecs, n = await embed_many(request, entry, inputs, truncate, _dimensions(body))
+    request["prompt_eval_count"] = n  # metrics and request.done (they had no count)
     now = time.monotonic_ns()
     return _json({"model": body["model"], "embeddings": vecs,
                   "total_duration": max(1, now - t0_ns(request)),
@@ -235,7 +236,7 @@ async def api_embeddings(request: web.Request) -> web.Response:
     entry.touch(parse_keep_alive(body.get("keep_alive")))
     if not prompt:
         return _json({"embedding": []})
-    vecs, _ = await embed_many(request, entry, [prompt], True, 0)
+    vecs, request["prompt_eval_count"] = await embed_many(request, entry, [prompt], True, 0)
     return _json({"embedding": vecs[0]})
 
 
@@ -267,6 +268,7 @@ async def v1_embeddings(request: web.Request) -> web.Response:
         raise ApiError(400, f"invalid encoding_format: {fmt!r} (expected float or base64)")
     entry.touch(None)
     vecs, n = await embed_many(request, entry, inputs, True, _dimensions(body))
+    request["prompt_eval_count"] = n
     data = [{"object": "embedding", "embedding": _b64(v) if fmt == "base64" else v, "index": i}
             for i, v in enumerate(vecs)]
     return _json({"object": "list", "data": data, "model": name,

@@ -257,7 +257,10 @@ def parse_keep_alive(value) -> float | None:
         try:
             return parse_go_duration(value)
         except ValueError:
-            raise ApiError(400, f'invalid keep_alive: time: invalid duration "{value}"') from None
+            # Go's time.ParseDuration says which: a number without a unit is its own error
+            why = ("missing unit in duration" if value.strip().lstrip("+-").replace(".", "", 1).isdigit()
+                   else "invalid duration")
+            raise ApiError(400, f'invalid keep_alive: time: {why} "{value}"') from None
     raise ApiError(400, "invalid keep_alive: unsupported type")
 
 

@@ -48,6 +48,21 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
         if tools:  # as Ollama's /v1 (through /api/chat): 400 for a template without tools
             await require(gw, entry, "tools", name)
         _named_tool_choice(body)
+    if required == "messages" and body.get("reasoning_effort") is not None:
+        # Ollama's /v1 turns it into think: 400 for another value or a model without thinking
+        # (llama-server ignored it without a word on such a model; a fresh tester's find)
+        if body["reasoning_effort"] not in ("low", "medium", "high"):
+            raise ApiError(400, f"reasoning_effort must be 'low', 'medium' or 'high', got "
+                                f"{_short(body['reasoning_effort'])}")
+        await require(gw, entry, "thinking", name)
+    if required == "prompt" and body.get("suffix") is not None:
+        suffix = body["suffix"]
+        if not isinstance(suffix, str):
+            raise ApiError(400, f"suffix must be a string, got {_short(suffix)}")
+        if suffix:  # llama-server's /v1/completions ignored it without a word (a fresh tester's find)
+            await require(gw, entry, "insert", name)  # Ollama's 400 for a model without FIM
+            raise ApiError(400, "suffix (fill-in-the-middle) is not served on /v1/completions "
+                                "by this gateway; send it to /api/generate")
     if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
         raise ApiError(400, "stream must be a boolean")
     n = body.get("n")

@@ -79,6 +79,12 @@ def test_keep_alive_values():
         with pytest.raises(ApiError) as e:
             parse_keep_alive(bad)
         assert e.value.status == 400 and "keep_alive" in e.value.message
+    # Go's own words for a number without a unit (it said "invalid duration"; a fresh tester's
+    # find); "0" needs none
+    with pytest.raises(ApiError) as e:
+        parse_keep_alive("10")
+    assert e.value.message == 'invalid keep_alive: time: missing unit in duration "10"'
+    assert parse_keep_alive("0") == 0.0
 
 
 def test_think_values():

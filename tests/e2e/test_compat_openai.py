@@ -143,6 +143,25 @@ def test_n_2_chat_that_renders_to_nothing_answers_at_once(gw):
     assert busy == [0], gw.workers()
 
 
+def test_v1_suffix_and_reasoning_effort_are_not_dropped(gw):
+    """``suffix`` on /v1/completions and ``reasoning_effort`` on /v1 chat were ignored without
+    a word on a model that has neither fill-in-the-middle nor thinking (a fresh tester's find);
+    they are Ollama's 400s now, as its /v1 answers them."""
+    for path, body, msg in (
+            ("/v1/completions", {"prompt": "def f(", "suffix": "}"},
+             "demo:latest does not support insert"),
+            ("/v1/completions", {"prompt": "x", "suffix": 5}, "suffix must be a string, got 5"),
+            ("/v1/chat/completions", {"messages": MSG, "reasoning_effort": "high"},
+             '"demo" does not support thinking'),
+            ("/v1/chat/completions", {"messages": MSG, "reasoning_effort": "bogus"},
+             "reasoning_effort must be 'low', 'medium' or 'high', got \"bogus\"")):
+        r = httpx.post(gw.url + path, json={"model": "demo", "max_tokens": 1, **body}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
+    ok = httpx.post(gw.url + "/v1/completions", timeout=10, json={
+        "model": "demo", "prompt": "x", "suffix": "", "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
 def test_v1_completions_apply_a_response_format(gw):
     """llama-server's /v1/completions reads no ``response_format``: a valid one was checked
     and then dropped (a fresh tester's find). It becomes the completion's JSON schema."""

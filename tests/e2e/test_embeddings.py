@@ -89,6 +89,25 @@ def test_case25_batch_order_truncation_and_legacy(gw):
     assert bad.status_code == 400 and bad.json() == {"error": "invalid input type"}
 
 
+def _prompt_tokens_total(url: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith('llama_gateway_prompt_tokens_total{model="embed:latest"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_embedding_tokens_are_counted(gw):
+    """``prompt_tokens_total`` had no series for an embedding model, and ``request.done`` no
+    count (a fresh tester's find): each route's evaluated tokens are counted as it answers them."""
+    before = _prompt_tokens_total(gw.url)
+    n1 = httpx.post(gw.url + "/api/embed", json={"model": "embed", "input": ["one two", "three"]},
+                    timeout=30).json()["prompt_eval_count"]
+    n2 = httpx.post(gw.url + "/v1/embeddings", json={"model": "embed", "input": "four five six"},
+                    timeout=30).json()["usage"]["prompt_tokens"]
+    assert n1 > 0 and n2 > 0
+    assert _prompt_tokens_total(gw.url) - before == n1 + n2
+
+
 def test_concurrent_batches_spread_without_mixing(gw):
     client = ollama.Client(host=gw.url)
     ref = {t: client.embed(model="embed", input=t).embeddings[0] for t in TEXTS[:3] + TEXTS[4:]}

@@ -164,6 +164,41 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path):
     assert '"event": "gateway.drained"' in gw.log_path.read_text()
 
 
+def test_a_reload_that_changes_the_chat_template_changes_the_capabilities(tmp_path,
+                                                                            gateway_factory):
+    """The chat template a worker reports (``/props``) was read once and kept: a reload that
+    gave the model a tool-aware ``--chat-template-file`` still answered 400 "does not support
+    tools", and one that took it away kept listing ``tools`` and dropped the tools without a
+    word (a fresh tester's find). A new worker process makes the gateway ask again."""
+    from tests.e2e.compat_helpers import TOOLS_TEMPLATE
+    tpl = tmp_path / "tools.jinja"
+    tpl.write_text(TOOLS_TEMPLATE)
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                               "context": 512, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    admin = {"Authorization": "Bearer t"}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+    def caps_and_chat():
+        caps = httpx.post(gw.url + "/api/show", json={"model": "demo"}, timeout=30).json()[
+            "capabilities"]
+        r = httpx.post(gw.url + "/api/chat", timeout=30, json={
+            "model": "demo", "stream": False, "tools": tools, "options": {"num_predict": 1},
+            "messages": [{"role": "user", "content": "x"}]})
+        return "tools" in caps, r.status_code
+
+    assert caps_and_chat() == (False, 400)
+    for args, want in ((["--chat-template-file", str(tpl)], (True, 200)), ([], (False, 400))):
+        on_disk = yaml.safe_load(gw.cfg_path.read_text())
+        on_disk["models"][0]["args"] = args
+        gw.cfg_path.write_text(yaml.safe_dump(on_disk))
+        r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=120)
+        assert r.status_code == 200 and r.json()["changed"] == ["demo-cpu0"], r.text
+        gw.wait_ready(60)
+        assert caps_and_chat() == want, args
+
+
 def _signals_during(gw, streams: list, steps: tuple) -> tuple[int, float]:
     """Run ``streams`` (callables) in threads; 1 s later send ``steps`` to the gateway (signals,
     and floats: seconds to sleep between them); wait for its exit and the streams. Returns (exit
