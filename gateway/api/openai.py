@@ -82,7 +82,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 # "Same-run comparisons"); a long one with its first event (_relay_stream).
                 started.append(await start_stream(request, "text/event-stream"))
             await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt),
-                                convert)
+                                convert, chat=required == "messages" and convert is None)
             out = started[0]
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         err = admission_error(e, gw.config.queue.retry_after_s)
@@ -200,7 +200,8 @@ def _sse(obj) -> bytes:
 
 
 async def _relay_stream(request: web.Request, resp, started: list,
-                        include_usage: bool, usage: UsageSum, convert=None) -> None:
+                        include_usage: bool, usage: UsageSum, convert=None,
+                        chat: bool = False) -> None:
     """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
     with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
     it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
@@ -216,8 +217,15 @@ async def _relay_stream(request: web.Request, resp, started: list,
     ``started``) with the first event to send: a failure before it, such as ``first_byte_s``
     running out while the worker computes a long prompt (its stream has begun: headers and
     progress events), is still answered with its status and an OpenAI error object.
-    ``convert``: applied to each batch of payloads first (``openai_structured.ChatChunks``)."""
+    ``convert``: applied to each batch of payloads first (``openai_structured.ChatChunks``).
+
+    ``chat``: a chat stream. llama-server puts its first ``{"role": "assistant"}`` delta in the
+    prompt-progress events when there are any (server-task.cpp ``to_json_oaicompat_chat_stream``:
+    ``first || is_progress``), and the gateway drops those events (it asked for them, the client
+    did not), so the first chunk a client saw could lack the role (seen once in a full run); a
+    role chunk is put before a first chunk that has none."""
     head: dict | None = None  # the first usage event, less its choices, usage and timings
+    role_due = chat and resp.progress
 
     async def write(data: bytes) -> None:
         if not started:
@@ -230,6 +238,10 @@ async def _relay_stream(request: web.Request, resp, started: list,
             batch = convert(batch)
         parts: list[bytes] = []
         for data in batch:
+            if role_due and data != b"null" and b'"error"' not in data:
+                role_due = False
+                if b'"role"' not in data:
+                    parts.append(_sse(_role_chunk(orjson.loads(data))))
             if b'"usage"' not in data and b'"error"' not in data:
                 if data != b"null":
                     parts.append(b"data: " + data + b"\n\n")  # hot path: pass it through
@@ -253,6 +265,15 @@ async def _relay_stream(request: web.Request, resp, started: list,
     if include_usage and head is not None:
         last = _sse(head | {"choices": [], "usage": usage.total()})
     await write(last + b"data: [DONE]\n\n")
+
+
+def _role_chunk(ev: dict) -> dict:
+    """The ``{"role": "assistant", "content": null}`` chunk llama-server starts a chat stream
+    with, for the choices of chunk ``ev`` and with its head (``id``, ``created``, …)."""
+    head = {k: v for k, v in ev.items() if k not in ("choices", "usage", "timings")}
+    return {**head, "choices": [{"finish_reason": None, "index": c.get("index", 0),
+                               "delta": {"role": "assistant", "content": None}}
+                              for c in ev.get("choices") or ({"index": 0},)]}
 
 
 async def _fold_stream(request: web.Request, resp, fold: OpenAIFold, convert=None) -> dict:
