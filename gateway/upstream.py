@@ -148,6 +148,8 @@ class Upstream:
         self.attempts = attempts
         self.session: aiohttp.ClientSession | None = None
         self._held: set[asyncio.Task] = set()  # see _hold_until_done
+        #: per worker id: the responses whose headers a request still waits for (abort_worker)
+        self._awaiting_head: dict[str, set] = {}
         self.spares = SpareConnections() if config.llama_server.spare_connections else None
         self.watchdog = Watchdog(UpstreamError, **_watchdog_limits(config), on_stall=on_stall,
                                  on_progress=on_progress)
@@ -172,7 +174,13 @@ class Upstream:
         return t0_ns / 1e9 + self.request_s if t0_ns else None
 
     def abort_worker(self, worker_id: str, reason: str) -> int:
-        """End the in-flight streams of a worker that went down (error line / event)."""
+        """End the in-flight streams of a worker that went down (error line / event), and give
+        up on the requests still waiting for its first response bytes: they are retried on
+        another worker at once. Those waited until the process was gone: a frozen (SIGSTOPped)
+        worker is stopped with SIGTERM, the grace, then SIGKILL, so its first request waited
+        the wedge detection plus ``stop_grace_s`` (24 s; a fresh tester's find)."""
+        for resp in list(self._awaiting_head.get(worker_id, ())):
+            resp.abort(WorkerConnectionError(f"worker {worker_id} {reason}"))
         return self.watchdog.abort_worker(worker_id, f"worker {worker_id} {reason}")
 
     def end_running(self) -> int:
@@ -299,7 +307,12 @@ class Upstream:
                                           {"Authorization": f"Bearer {ep.api_key}",
                                            "Content-Type": "application/json"},
                                           spares=self.spares, progress=progress)
-                        await resp.wait_head()
+                        waiting = self._awaiting_head.setdefault(lease.worker.id, set())
+                        waiting.add(resp)  # abort_worker gives up on it (a retry follows)
+                        try:
+                            await resp.wait_head()
+                        finally:
+                            waiting.discard(resp)
                 except TimeoutError:
                     if time.monotonic() >= deadline - 0.01:
                         raise UpstreamError(504, "request deadline exceeded", "deadline") from None

@@ -243,6 +243,13 @@ class WorkerResponse:
         """The whole body; errors as :meth:`Body.readany`."""
         return await self.content.read()
 
+    def abort(self, exc: Exception) -> None:
+        """Give up on the headers: a waiter in :meth:`wait_head` gets ``exc`` (not a
+        cancellation); the connection closes."""
+        if not self._conn.head.done():
+            self._conn.head.set_exception(exc)
+        self.close()
+
     def close(self) -> None:
         if not self._conn.head.done():
             self._conn.head.cancel()  # nobody will wait for these headers any more

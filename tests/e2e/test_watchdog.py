@@ -476,6 +476,38 @@ def test_a_frozen_worker_is_still_restarted_when_requests_stall_on_it(tmp_path, 
                                    "loop (GET /lora-adapters) did not answer within 2 s")
 
 
+def test_a_request_waiting_on_a_frozen_worker_is_retried_when_it_is_found_wedged(gateway_factory):
+    """A real llama-server frozen with SIGSTOP while a request waits for its first bytes: when
+    liveness marks it wedged that request is retried on the other worker at once. It waited
+    until the frozen process was gone: SIGTERM, which it cannot act on, ``stop_grace_s`` (10 s),
+    SIGKILL (23.9 s in a fresh tester's run with the default probes; 14.0 s now)."""
+    cfg = base_config(free_port(), llama_server={
+        "threads": 1, "liveness_interval_s": 0.5, "liveness_timeout_s": 1, "stop_grace_s": 10},
+        scheduler={"prefix_affinity": False})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    victim = gw.workers()[0]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(2) as ex:  # one of the two goes to the frozen worker
+            rs = list(ex.map(lambda i: httpx.post(gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": f"x{i}", "raw": True, "stream": False,
+                "options": {"num_predict": 4}}), range(2)))
+        took = time.monotonic() - t0
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+    assert took < 8, took  # the wedge is found in about 2 s; not after the 10 s stop grace
+    events = log_events(gw.log_path)
+    retried = [e for e in events if e.get("event") == "upstream.retry"]
+    assert len(retried) == 1 and retried[0]["worker"] == victim["id"], retried
+    assert "wedged" in retried[0]["reason"], retried
+
+
 def test_wedged_worker_streams_end_with_error_and_it_restarts(tmp_path, gateway_factory):
     """Case 11: a worker that stops mid-stream, whose /slots hangs and which ignores SIGTERM.
     Liveness (/slots with a timeout) marks it wedged: its stream ends with an error line,
