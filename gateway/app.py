@@ -18,13 +18,14 @@ from gateway.api import ollama as ollama_api
 from gateway.api import openai as openai_api
 from gateway.api import status_page
 from gateway.body_errors import GatewayAppRunner
-from gateway.config import ConfigError, GatewayConfig, ModelConfig, PlanDiff, WorkerPlan, diff_plans, plan_workers
+from gateway.config import (ConfigError, GatewayConfig, ModelConfig, PlanDiff, WorkerPlan, diff_plans,
+                            models_without_workers, plan_workers)
 from gateway.texts import no_workers
 from gateway.drain import graceful_stop
 from gateway.expect import with_expect
 from gateway.fleet import Fleet
 from gateway.inventory import Inventory, ModelEntry, full_name
-from gateway.listen import bind_listen
+from gateway.listen import address, bind_listen
 from gateway.logs import ServerLogger, get_logger
 from gateway.metrics import GatewayMetrics, worker_state
 from gateway.middleware import Guard, gateway_middleware, guard_middleware
@@ -228,10 +229,8 @@ class Gateway:
         for pid in reap_stale_workers(state_dir):
             log.warning("gateway.stale_worker_reaped", pid=pid)
         plans = self.plans = plan_workers(cfg, detect_gpus())
-        for m in cfg.models:
-            if not any(p.model == m.full_name for p in plans):
-                log.warning("gateway.model_without_workers", model=m.full_name,
-                            reason=no_workers(m.full_name))
+        for model in models_without_workers(cfg, plans):
+            log.warning("gateway.model_without_workers", model=model, reason=no_workers(model))
         self.fleet = Fleet(cfg, binary, models, self.admission, state_dir)
         self.fleet.build(plans)
         self.upstream = Upstream(self.admission, self.fleet.endpoint_of, cfg,
@@ -255,8 +254,7 @@ class Gateway:
         await self.runner.setup()
         for sock in self._socks:
             await web.SockSite(self.runner, sock).start()
-        bound = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
-        log.info("gateway.listening", listen=bound, version=__version__,
+        log.info("gateway.listening", listen=address(host, port), version=__version__,
                  workers=[p.id for p in plans], binary=str(binary))
         self.fleet.start()
         self._tasks.append(asyncio.create_task(self._watch(), name="gateway-watch"))

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         configure(cfg.log.level, cfg.log.format)
         if verb == "check-config":
-            from gateway.config import plan_workers
+            from gateway.config import models_without_workers, plan_workers
             from workers.gpu import detect_gpus
             from gateway.inventory import slot_context
             problems, trained = _check_files(cfg)
@@ -271,10 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                           if ctx < per_slot else "")
                 sys.stdout.write(f"{w.id}\tmodel={w.model}\tgpus={list(w.gpus) or 'cpu'}\t"
                                  f"slots={slots}\tcontext/slot={ctx}{capped}{note}\n")
-            planned = {w.model for w in plans}
-            for m in cfg.models:  # what serve answers its requests, said before it starts
-                if m.full_name not in planned:
-                    sys.stdout.write(f"-\tmodel={m.full_name}\tno worker: {no_workers(m.full_name)}\n")
+            for model in models_without_workers(cfg, plans):  # what serve answers them
+                sys.stdout.write(f"-\tmodel={model}\tno worker: {no_workers(model)}\n")
             return 0
         from gateway.app import serve
         try:

@@ -1181,6 +1181,13 @@ class WorkerPlan:
         return not self.gpus
 
 
+def models_without_workers(config: GatewayConfig, plans: list[WorkerPlan]) -> list[str]:
+    """Full names of the configured models that ``plans`` give no worker (``gpus: auto`` found
+    no GPU and ``cpu_fallback`` is 0), in config order."""
+    planned = {p.model for p in plans}
+    return [m.full_name for m in config.models if m.full_name not in planned]
+
+
 def plan_workers(config: GatewayConfig, detected_gpus: list[int]) -> list[WorkerPlan]:
     """Workers for every model, in config order.
 

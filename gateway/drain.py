@@ -76,7 +76,7 @@ async def graceful_stop(gw: "Gateway") -> None:
         await stop_accepting(gw)
         gw.draining_requests = True
         try:
-            left = await _wait_idle(gw, drain_s, getattr(gw, "hurry", None))
+            left = await _wait_idle(gw, drain_s, gw.hurry)
         finally:
             gw.draining_requests = False
         if left:

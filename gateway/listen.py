@@ -18,6 +18,12 @@ from gateway.config import ConfigError
 BACKLOG = 128
 
 
+def address(host: str, port: int) -> str:
+    """``host:port`` as ``listen`` writes it (an IPv6 host in brackets: ``[::1]:11434``)."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind_listen(host: str, port: int, source: str = "<config>") -> list[socket.socket]:
     """Listening TCP sockets for every address ``host`` resolves to (as asyncio's
     ``create_server`` would bind them: ``SO_REUSEADDR``, IPv6 sockets ``IPV6_V6ONLY``).
@@ -27,7 +33,7 @@ def bind_listen(host: str, port: int, source: str = "<config>") -> list[socket.s
             listens there; ``listen: …: <OS error>`` when the address cannot be bound or
             resolved.
     """
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    where = address(host, port)
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)

@@ -108,11 +108,7 @@ class Watchdog:
 
     def abort_worker(self, worker_id: str, message: str) -> int:
         """End every in-flight stream of ``worker_id`` with a 502 ``message``; returns how many."""
-        n = 0
-        for w in list(self.watches):
-            if w.worker_id == worker_id and w.aborted is None:
-                w.abort(self.make_error(502, message, "worker_down"))
-                n += 1
+        n = self._abort(502, message, "worker_down", worker_id)
         if n:
             log.warning("watchdog.worker_streams_aborted", worker=worker_id, streams=n, reason=message)
         return n
@@ -120,9 +116,13 @@ class Watchdog:
     def abort_all(self, status: int, message: str, kind: str) -> int:
         """End every in-flight stream with ``status`` / ``message`` (the gateway stops);
         returns how many."""
+        return self._abort(status, message, kind)
+
+    def _abort(self, status: int, message: str, kind: str, worker_id: str | None = None) -> int:
+        """Abort the streams not yet aborted (of ``worker_id``; None: all); returns how many."""
         n = 0
         for w in list(self.watches):
-            if w.aborted is None:
+            if w.aborted is None and worker_id in (None, w.worker_id):
                 w.abort(self.make_error(status, message, kind))
                 n += 1
         return n
