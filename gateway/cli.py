@@ -76,7 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--name", default="cpu-demo", help="profile name")
     cal.add_argument("--slots", type=int, default=8, help="-np (rounds of more streams are skipped)")
     cal.add_argument("--context", type=int, default=4096, help="context tokens per slot")
-    cal.add_argument("--threads", type=int, default=1, help="-t")
+    cal.add_argument("--threads", type=int, default=None,
+                     help="-t (default: 1 on the CPU, llama-server's own choice with --gpu)")
+    cal.add_argument("--gpu", type=int, default=None,
+                     help="run the server on this GPU (NVML index, as CUDA_VISIBLE_DEVICES) as "
+                          "the gateway runs a GPU worker; default: on the CPU")
     cal.add_argument("--repeats", type=int, default=7, help="rounds per measurement (median)")
     cal.add_argument("--binary", default=None, help="llama-server (default: as serve finds it)")
     cal.add_argument("--model", default=None, help="GGUF file (default: the demo model)")
@@ -112,6 +116,18 @@ def _why(e: OSError) -> str:
     return e.strerror or str(e)
 
 
+def _gpu_problem(gpu: int | None) -> str | None:
+    """Why ``calibrate --gpu`` cannot use that GPU (NVML, ``workers.gpu.detect_gpus``), or None."""
+    if gpu is None:
+        return None
+    from workers.gpu import detect_gpus
+    found = detect_gpus()
+    if gpu in found:
+        return None
+    return (f"--gpu {gpu}: no NVIDIA GPU found (NVML)" if not found
+            else f"--gpu {gpu}: NVML finds GPUs {', '.join(map(str, found))}")
+
+
 def _calibrate(args, argv: list[str]) -> int:
     import orjson
 
@@ -126,7 +142,7 @@ def _calibrate(args, argv: list[str]) -> int:
            else "--repeats must be at least 1" if args.repeats < 1
            else "--context must be at least 16 tokens" if args.context < 16
            else "--threads must be at least 1" if args.threads is not None and args.threads < 1
-           else None)
+           else _gpu_problem(args.gpu))
     if bad is None and args.model:
         try:
             GGUFFacts.read(Path(args.model))
@@ -149,8 +165,9 @@ def _calibrate(args, argv: list[str]) -> int:
         doc = calibrate(ensure_llama_server(args.binary),
                         Path(args.model) if args.model else ensure_demo_model(),
                         name=args.name, command=" ".join(["llama-gateway", *argv]), out=args.out,
-                        slots=args.slots, context=args.context, threads=args.threads,
-                        repeats=args.repeats)
+                        slots=args.slots, context=args.context,
+                        threads=args.threads if args.threads or args.gpu is not None else 1,
+                        repeats=args.repeats, gpus=() if args.gpu is None else (args.gpu,))
     except (ProvisionError, ValueError) as e:  # no binary; too few slots to fit a batch slope
         sys.stderr.write(f"llama-gateway calibrate: {e}\n")
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,37 @@ N_FF = 128
 N_MERGES = 300
 WEIGHT_STD = 0.02
 N_CTX_TRAIN = 4096  # the demo model's context_length (tokens) unless written with another
+
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The transformer's sizes (tokens of width, layers, heads) and its weights' storage type.
+
+    ``dtype`` is ``"f32"`` or ``"f16"`` (the 2-D weight matrices; norms stay f32). The vocabulary,
+    tokenizer and chat template are the demo model's whatever the shape.
+    """
+
+    n_embd: int = N_EMBD
+    n_layer: int = N_LAYER
+    n_head: int = N_HEAD
+    n_head_kv: int = N_HEAD_KV
+    n_ff: int = N_FF
+    dtype: str = "f32"
+
+    def parameters(self) -> int:
+        """Weights in the layers (embedding excluded), e.g. 0.97e9 for ``GPU_BENCH_SHAPE``."""
+        kv = self.n_embd // self.n_head * self.n_head_kv
+        per_layer = 2 * self.n_embd * self.n_embd + 2 * kv * self.n_embd + 3 * self.n_ff * self.n_embd
+        return self.n_layer * per_layer
+
+
+DEMO_SHAPE = ModelShape()
+
+GPU_BENCH_SHAPE = ModelShape(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192, dtype="f16")
+"""Llama-3.2-1B's layer sizes (its config.json: hidden 2048, 16 layers, 32 heads, 8 KV heads,
+intermediate 8192), f16, with the demo vocabulary: about 1.9 GB, for benchmarks on a GPU, where
+the demo model's compute is too small to matter (written by ``tests/bench/real_gpu.py``)."""
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -176,35 +208,50 @@ def demo_model_path() -> Path:
     return cache_root() / "models" / "demo.gguf"
 
 
-def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAIN) -> Path:
-    """Write the demo model (see ``DEMO_MODEL_SPEC``) to ``path`` atomically and return ``path``."""
+def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAIN,
+                     shape: ModelShape = DEMO_SHAPE) -> Path:
+    """Write the demo model (see ``DEMO_MODEL_SPEC``) to ``path`` atomically and return ``path``.
+
+    ``shape`` other than :data:`DEMO_SHAPE` writes a bigger model of the same kind (same vocabulary,
+    template and control-token flag; ``general.name`` "demo-<n_embd>x<n_layer>"). Raises
+    ``ValueError`` for a shape whose heads do not divide ``n_embd`` or an unknown ``dtype``.
+    """
     import gguf
 
+    if shape.n_embd % shape.n_head or shape.n_head % shape.n_head_kv or shape.dtype not in ("f32", "f16"):
+        raise ValueError(f"unusable model shape {shape}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens, types, merges, special = build_vocab()
     n_vocab = len(tokens)
-    head_dim = N_EMBD // N_HEAD
+    n_embd, n_head, n_head_kv, n_ff = shape.n_embd, shape.n_head, shape.n_head_kv, shape.n_ff
+    head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
+    wtype = np.float16 if shape.dtype == "f16" else np.float32
 
-    def rand(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * WEIGHT_STD).astype(np.float32)
+    # float64 draws keep the demo model's bytes as they always were; a big shape draws float32
+    # (about twice as fast: a 1B shape takes seconds)
+    draw = np.float64 if shape == DEMO_SHAPE else np.float32
+
+    def rand(*dims: int) -> np.ndarray:
+        return (rng.standard_normal(dims, dtype=draw) * WEIGHT_STD).astype(wtype)
 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         w = gguf.GGUFWriter(str(tmp), arch="llama")
-        w.add_name("demo")
+        w.add_name("demo" if shape == DEMO_SHAPE else f"demo-{n_embd}x{shape.n_layer}")
         w.add_description("llama-gateway demo model: random weights, offline, for tests and demos")
-        w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+        w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if wtype is np.float16
+                            else gguf.LlamaFileType.ALL_F32))
         w.add_vocab_size(n_vocab)
         w.add_context_length(n_ctx_train)
-        w.add_embedding_length(N_EMBD)
-        w.add_block_count(N_LAYER)
-        w.add_feed_forward_length(N_FF)
-        w.add_head_count(N_HEAD)
-        w.add_head_count_kv(N_HEAD_KV)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(shape.n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
         w.add_rope_dimension_count(head_dim)
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-5)
@@ -221,19 +268,19 @@ def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAI
         w.add_chat_template(CHATML_TEMPLATE)
 
         # numpy shapes are the reverse of ggml's ne order (e.g. token_embd is ne = [n_embd, n_vocab]).
-        w.add_tensor("token_embd.weight", _embeddings(rand(n_vocab, N_EMBD), special.values()))
-        w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        for i in range(N_LAYER):
+        w.add_tensor("token_embd.weight", _embeddings(rand(n_vocab, n_embd), special.values()))
+        w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+        for i in range(shape.n_layer):
             p = f"blk.{i}."
-            w.add_tensor(p + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-            w.add_tensor(p + "attn_q.weight", rand(N_HEAD * head_dim, N_EMBD))
-            w.add_tensor(p + "attn_k.weight", rand(N_HEAD_KV * head_dim, N_EMBD))
-            w.add_tensor(p + "attn_v.weight", rand(N_HEAD_KV * head_dim, N_EMBD))
-            w.add_tensor(p + "attn_output.weight", rand(N_EMBD, N_HEAD * head_dim))
-            w.add_tensor(p + "ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-            w.add_tensor(p + "ffn_gate.weight", rand(N_FF, N_EMBD))
-            w.add_tensor(p + "ffn_up.weight", rand(N_FF, N_EMBD))
-            w.add_tensor(p + "ffn_down.weight", rand(N_EMBD, N_FF))
+            w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+            w.add_tensor(p + "attn_q.weight", rand(n_head * head_dim, n_embd))
+            w.add_tensor(p + "attn_k.weight", rand(n_head_kv * head_dim, n_embd))
+            w.add_tensor(p + "attn_v.weight", rand(n_head_kv * head_dim, n_embd))
+            w.add_tensor(p + "attn_output.weight", rand(n_embd, n_head * head_dim))
+            w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+            w.add_tensor(p + "ffn_gate.weight", rand(n_ff, n_embd))
+            w.add_tensor(p + "ffn_up.weight", rand(n_ff, n_embd))
+            w.add_tensor(p + "ffn_down.weight", rand(n_embd, n_ff))
 
         w.write_header_to_file()
         w.write_kv_data_to_file()

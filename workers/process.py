@@ -162,7 +162,8 @@ class LaunchSpec:
         return args + list(self.extra_args)
 
     def env(self, api_key: str) -> dict[str, str]:
-        """The worker's environment: the gateway's, plus ``CUDA_VISIBLE_DEVICES``, the per-start
+        """The worker's environment: the gateway's, plus ``CUDA_VISIBLE_DEVICES`` (with
+        ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so the indices are NVML's), the per-start
         key, the binary's library folder, and ``LLAMA_ARG_CACHE_IDLE_SLOTS=0`` (see
         :data:`IDLE_SLOTS_ENV`), for a CPU worker ``LLAMA_ARG_FLASH_ATTN=off`` (see
         :data:`FLASH_ATTN_ENV`; not when ``extra_args`` hold one of
@@ -178,6 +179,11 @@ class LaunchSpec:
             # variable is overwritten by the command line
             env.setdefault(LOG_VERBOSITY_ENV, str(self.log_verbosity))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
+        # The gateway's GPU indices are NVML's (nvidia-smi's), in PCI bus order; CUDA's own
+        # default order is fastest first (CUDA C Programming Guide, "CUDA Environment
+        # Variables"), so on a box of mixed cards CUDA_VISIBLE_DEVICES=0 could be another card
+        # than the one NVML reports as GPU 0, its telemetry and slots_per_gpu then wrong.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         # The per-start key travels in the environment (readable by this user only via
         # /proc/PID/environ), not on the command line that every local user can read.
         env["LLAMA_API_KEY"] = api_key

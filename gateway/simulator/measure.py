@@ -2,8 +2,8 @@
 
 Starts one llama-server (``-np slots``, ``-c slots*context``, ``-t threads``, ``--metrics``;
 the same arguments and environment the gateway gives a CPU worker, from
-``workers.process.LaunchSpec``, so ``LLAMA_ARG_FLASH_ATTN=off``; the document records the
-``LLAMA_ARG_*`` variables as ``server.env``) and sends streamed ``/completion`` requests (the
+``workers.process.LaunchSpec``, so ``LLAMA_ARG_FLASH_ATTN=off``, or with ``--gpu N`` those of a
+GPU worker on GPU N; the document records the ``LLAMA_ARG_*`` variables as ``server.env``) and sends streamed ``/completion`` requests (the
 gateway always streams from its workers, and streaming costs the server CPU per token: with
 8 streams on one core, flash attention on, the step time seen was about 1.5 ms without
 streaming and 2.3-2.6 ms with it) whose prompts are lists of token ids
@@ -206,11 +206,16 @@ def fit(raw: dict, name: str, source: str):
 
 def calibrate(binary: Path, model: Path, *, name: str, command: str, out: str, slots: int = 8,
               context: int = 4096, threads: int | None = 1, repeats: int = 7,
-              seed: int = 0) -> dict:
+              seed: int = 0, gpus: tuple[int, ...] = ()) -> dict:
     """Start a server, measure, fit. Returns the calibration document (``profile`` +
-    raw measurements) that ``GpuProfile.from_json`` reads."""
+    raw measurements) that ``GpuProfile.from_json`` reads.
+
+    ``gpus`` (NVML indices) starts the server as the gateway starts a GPU worker on them
+    (``CUDA_VISIBLE_DEVICES``, no forced ``LLAMA_ARG_FLASH_ATTN``); the document's ``machine``
+    then names them (``workers.gpu.read_gpu_stats``). Empty: a CPU worker."""
     t0 = time.time()
-    spec = LaunchSpec("calibrate", Path(binary), Path(model), "demo", (), slots, context, threads)
+    spec = LaunchSpec("calibrate", Path(binary), Path(model), "demo", tuple(gpus), slots, context,
+                      threads)
     with start_server(spec) as srv:
         raw = measure(srv, slots, repeats, seed)
         argv = srv.argv
@@ -221,8 +226,18 @@ def calibrate(binary: Path, model: Path, *, name: str, command: str, out: str, s
             "seconds": round(time.time() - t0, 1),
             "server": {"version": server_version(spec), "argv": [Path(argv[0]).name] + argv[1:],
                        "env": server_env(spec)},
-            "machine": {"cpus": os.cpu_count(), "loadavg_after": list(os.getloadavg())},
+            "machine": {"cpus": os.cpu_count(), "loadavg_after": list(os.getloadavg()),
+                        "gpus": _gpu_names(gpus)},
             **raw}
+
+
+def _gpu_names(gpus: tuple[int, ...]) -> list[str]:
+    """NVML's name of each GPU the server ran on (``"?"`` where NVML gives none)."""
+    if not gpus:
+        return []
+    from workers.gpu import read_gpu_stats
+    stats = read_gpu_stats()
+    return [stats[g].name if g in stats else "?" for g in gpus]
 
 
 def _median(xs: list[float] | None) -> float:

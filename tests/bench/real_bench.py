@@ -59,7 +59,7 @@ def ttft_stream(client, url, body, headers=None):
     return first, time.perf_counter() - t0
 
 
-def overhead_pinned(gw, n=200):
+def overhead_pinned(gw, n=200, model="demo", n_predict=16):
     """``overhead`` with the gateway's threads alone on the first CPU and the worker's and this
     process's threads on the others; every affinity is restored afterwards. Returns
     (direct, gateway) TTFTs in s, or None on a machine with one CPU."""
@@ -70,19 +70,19 @@ def overhead_pinned(gw, n=200):
     try:
         for pid, mask in ((wpid, cpus[1:]), (gw.proc.pid, cpus[:1]), (None, cpus[1:])):
             pin(pid, mask)
-        return overhead(gw, n)
+        return overhead(gw, n, model, n_predict)
     finally:
         for pid in (wpid, gw.proc.pid, None):
             pin(pid, cpus)
 
 
-def overhead(gw, n=200):
+def overhead(gw, n=200, model="demo", n_predict=16):
     w = gw.workers()[0]
     direct = f"http://127.0.0.1:{w['port']}/completion"
     key = {"Authorization": f"Bearer {worker_key(w['pid'])}"}
-    dbody = {"prompt": "hello there", "n_predict": 16, "stream": True}
-    gbody = {"model": "demo", "prompt": "hello there", "raw": True,
-             "options": {"num_predict": 16}}
+    dbody = {"prompt": "hello there", "n_predict": n_predict, "stream": True}
+    gbody = {"model": model, "prompt": "hello there", "raw": True,
+             "options": {"num_predict": n_predict}}
     d, g = [], []
     with httpx.Client(timeout=60) as c:
         for i in range(n):  # interleaved, same run
@@ -91,7 +91,7 @@ def overhead(gw, n=200):
     return d, g
 
 
-def saturation(gw, clients=8, per_client=12, n_predict=400):
+def saturation(gw, clients=8, per_client=12, n_predict=400, model="demo"):
     """Tokens/s with ``clients`` closed-loop streaming clients, direct vs through the gateway.
 
     Both sides stream, as the gateway itself always does upstream (Ollama's runner does the
@@ -115,7 +115,7 @@ def saturation(gw, clients=8, per_client=12, n_predict=400):
             body = {"prompt": "story", "n_predict": n_predict, "stream": True}
         else:
             url, h = gw.url + "/api/generate", {}
-            body = {"model": "demo", "prompt": "story", "raw": True,
+            body = {"model": model, "prompt": "story", "raw": True,
                     "options": {"num_predict": n_predict}}
         for _ in range(3):
             try:

@@ -12,7 +12,10 @@ import httpx
 import pytest
 
 from workers.demo_model import (
+    DEMO_SHAPE,
+    GPU_BENCH_SHAPE,
     SPECIAL_TOKENS,
+    ModelShape,
     demo_model_path,
     ensure_demo_model,
     write_demo_model,
@@ -91,6 +94,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, log: Path | None = None) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:] if log else "llama-server exited"
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "llama-server did not become healthy in 60 s"
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a fresh machine builds llama-server first (about 4 min on 2 cores)
 def test_demo_model_runs_in_llama_server(demo_file, tmp_path):
@@ -107,16 +123,7 @@ def test_demo_model_runs_in_llama_server(demo_file, tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=base, timeout=30) as client:
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, (tmp_path / "llama-server.log").read_text()[-3000:]
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "llama-server did not become healthy in 60 s"
-                time.sleep(0.2)
+            _wait_healthy(client, proc, tmp_path / "llama-server.log")
 
             r = client.post("/completion", json={"prompt": "hello", "n_predict": 8})
             assert r.status_code == 200, r.text
@@ -145,3 +152,58 @@ def test_demo_model_runs_in_llama_server(demo_file, tmp_path):
             proc.kill()
             proc.wait(timeout=10)
         log_file.close()
+
+
+SMALL_F16 = ModelShape(n_embd=256, n_layer=3, n_head=8, n_head_kv=2, n_ff=512, dtype="f16")
+
+
+def test_a_bigger_shape_keeps_vocab_and_template_and_stores_f16(tmp_path, demo_file):
+    f = write_demo_model(tmp_path / "big.gguf", shape=SMALL_F16)
+    r, demo = gguf.GGUFReader(str(f)), gguf.GGUFReader(str(demo_file))
+    assert _field(r, "general.name") == "demo-256x3"
+    assert _field(r, "llama.embedding_length") == 256 and _field(r, "llama.block_count") == 3
+    assert _field(r, "llama.attention.head_count") == 8
+    assert _field(r, "llama.attention.head_count_kv") == 2
+    assert _field(r, "llama.feed_forward_length") == 512
+    assert _field(r, "llama.rope.dimension_count") == 32
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template"):
+        assert _field(r, key) == _field(demo, key)
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["blk.2.attn_k.weight"] == gguf.GGMLQuantizationType.F16
+    assert types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+    assert shapes["blk.0.attn_k.weight"] == (256, 64)  # ggml order: n_embd × (2 KV heads × 32)
+    assert shapes["blk.0.ffn_down.weight"] == (512, 256)
+
+
+def test_shapes_that_cannot_work_are_refused(tmp_path):
+    for bad in (ModelShape(n_embd=100, n_head=8), ModelShape(n_head=4, n_head_kv=3),
+                ModelShape(dtype="q4_0")):
+        with pytest.raises(ValueError, match="unusable model shape"):
+            write_demo_model(tmp_path / "x.gguf", shape=bad)
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_bench_shape_is_llama_3_2_1b_layers():
+    assert DEMO_SHAPE.parameters() == 2 * (2 * 64 * 64 + 2 * 64 * 64 + 3 * 128 * 64)
+    assert GPU_BENCH_SHAPE.parameters() == 973_078_528
+
+
+@pytest.mark.slow
+def test_a_bigger_shape_runs_in_llama_server(tmp_path):
+    f = write_demo_model(tmp_path / "big.gguf", shape=SMALL_F16)
+    port = _free_port()
+    proc = subprocess.Popen([str(ensure_llama_server()), "-m", str(f), "--host", "127.0.0.1",
+                             "--port", str(port), "-np", "1", "-c", "512", "-t", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            _wait_healthy(client, proc)
+            body = client.post("/completion", json={"prompt": "hello", "n_predict": 8}).json()
+            assert body["tokens_predicted"] == 8 and body["content"]
+            props = client.get("/props").json()
+            assert props["model_path"].endswith("big.gguf")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

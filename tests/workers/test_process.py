@@ -34,6 +34,14 @@ def test_env_pins_gpus_and_carries_key():
     assert spec(gpus=()).env("k")["CUDA_VISIBLE_DEVICES"] == ""
 
 
+def test_env_numbers_gpus_as_nvml_does_whatever_the_environment_says(monkeypatch):
+    """The config's GPU indices are NVML's (PCI bus order); CUDA's default order is fastest
+    first, so without CUDA_DEVICE_ORDER a mixed box ran worker "gpu0" on another card."""
+    assert spec().env("k")["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    assert spec().env("k")["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
 def test_gpu_label_names_gpus_or_cpu():
     assert spec().gpu_label == "1,3" and spec(gpus=(0,)).gpu_label == "0"
     assert spec(gpus=()).gpu_label == "cpu"
