@@ -54,8 +54,10 @@ N_CTX_TRAIN = 4096  # the demo model's context_length (tokens) unless written wi
 class ModelShape:
     """The transformer's sizes (tokens of width, layers, heads) and its weights' storage type.
 
-    ``dtype`` is ``"f32"`` or ``"f16"`` (the 2-D weight matrices; norms stay f32). The vocabulary,
-    tokenizer and chat template are the demo model's whatever the shape.
+    ``dtype`` is the storage of the 2-D weight matrices of the layers: ``"f32"``, ``"f16"``, or
+    ``"q4_0"`` / ``"q8_0"`` (quantized by the ``gguf`` package; rows must be a multiple of 32
+    wide). Norms stay f32; the token embedding is f32 or f16. The vocabulary, tokenizer and
+    chat template are the demo model's whatever the shape.
     """
 
     n_embd: int = N_EMBD
@@ -78,6 +80,15 @@ GPU_BENCH_SHAPE = ModelShape(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_
 """Llama-3.2-1B's layer sizes (its config.json: hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192), f16, with the demo vocabulary: about 1.9 GB, for benchmarks on a GPU, where
 the demo model's compute is too small to matter (written by ``tests/bench/real_gpu.py``)."""
+
+LLAMA8B_Q4_SHAPE = ModelShape(n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, n_ff=14336,
+                              dtype="q4_0")
+"""Llama-3.1-8B's layer sizes (its config.json: hidden 4096, 32 layers, 32 heads, 8 KV heads,
+intermediate 14336), Q4_0, with the demo vocabulary (so no 128k-token output layer): about
+3.9 GB, the model of the simulator's published-figure profiles ("Llama 8B Q4_0"), for
+calibrating a GPU (``tests/bench/real_gpu.py``)."""
+
+_QUANTIZED = {"q4_0": "Q4_0", "q8_0": "Q8_0"}  # ModelShape.dtype -> gguf.GGMLQuantizationType
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -213,12 +224,17 @@ def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAI
     """Write the demo model (see ``DEMO_MODEL_SPEC``) to ``path`` atomically and return ``path``.
 
     ``shape`` other than :data:`DEMO_SHAPE` writes a bigger model of the same kind (same vocabulary,
-    template and control-token flag; ``general.name`` "demo-<n_embd>x<n_layer>"). Raises
-    ``ValueError`` for a shape whose heads do not divide ``n_embd`` or an unknown ``dtype``.
+    template and control-token flag; ``general.name`` "demo-<n_embd>x<n_layer>"), whose layers
+    share one draw of random weights: a forward pass costs the same whatever the values, and
+    fresh numbers for 8B weights would take minutes to draw. Raises ``ValueError`` for a shape
+    whose heads do not divide ``n_embd``, an unknown ``dtype``, or quantized rows not a
+    multiple of 32.
     """
     import gguf
 
-    if shape.n_embd % shape.n_head or shape.n_head % shape.n_head_kv or shape.dtype not in ("f32", "f16"):
+    if (shape.n_embd % shape.n_head or shape.n_head % shape.n_head_kv
+            or shape.dtype not in ("f32", "f16", *_QUANTIZED)
+            or (shape.dtype in _QUANTIZED and (shape.n_embd % 32 or shape.n_ff % 32))):
         raise ValueError(f"unusable model shape {shape}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,7 +243,8 @@ def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAI
     n_embd, n_head, n_head_kv, n_ff = shape.n_embd, shape.n_head, shape.n_head_kv, shape.n_ff
     head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
-    wtype = np.float16 if shape.dtype == "f16" else np.float32
+    wtype = np.float32 if shape.dtype == "f32" else np.float16
+    qtype = getattr(gguf.GGMLQuantizationType, _QUANTIZED[shape.dtype]) if shape.dtype in _QUANTIZED else None
 
     # float64 draws keep the demo model's bytes as they always were; a big shape draws float32
     # (about twice as fast: a 1B shape takes seconds)
@@ -243,8 +260,8 @@ def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAI
         w = gguf.GGUFWriter(str(tmp), arch="llama")
         w.add_name("demo" if shape == DEMO_SHAPE else f"demo-{n_embd}x{shape.n_layer}")
         w.add_description("llama-gateway demo model: random weights, offline, for tests and demos")
-        w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if wtype is np.float16
-                            else gguf.LlamaFileType.ALL_F32))
+        w.add_file_type(int(gguf.LlamaFileType.ALL_F32 if shape.dtype == "f32" else
+                            getattr(gguf.LlamaFileType, "MOSTLY_" + shape.dtype.upper())))
         w.add_vocab_size(n_vocab)
         w.add_context_length(n_ctx_train)
         w.add_embedding_length(n_embd)
@@ -270,17 +287,24 @@ def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAI
         # numpy shapes are the reverse of ggml's ne order (e.g. token_embd is ne = [n_embd, n_vocab]).
         w.add_tensor("token_embd.weight", _embeddings(rand(n_vocab, n_embd), special.values()))
         w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+        dims = {"attn_q": (n_head * head_dim, n_embd), "attn_k": (n_head_kv * head_dim, n_embd),
+                "attn_v": (n_head_kv * head_dim, n_embd), "attn_output": (n_embd, n_head * head_dim),
+                "ffn_gate": (n_ff, n_embd), "ffn_up": (n_ff, n_embd), "ffn_down": (n_embd, n_ff)}
+        shared: dict[str, np.ndarray] = {}
         for i in range(shape.n_layer):
             p = f"blk.{i}."
             w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-            w.add_tensor(p + "attn_q.weight", rand(n_head * head_dim, n_embd))
-            w.add_tensor(p + "attn_k.weight", rand(n_head_kv * head_dim, n_embd))
-            w.add_tensor(p + "attn_v.weight", rand(n_head_kv * head_dim, n_embd))
-            w.add_tensor(p + "attn_output.weight", rand(n_embd, n_head * head_dim))
-            w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-            w.add_tensor(p + "ffn_gate.weight", rand(n_ff, n_embd))
-            w.add_tensor(p + "ffn_up.weight", rand(n_ff, n_embd))
-            w.add_tensor(p + "ffn_down.weight", rand(n_embd, n_ff))
+            for name, (rows, cols) in dims.items():
+                if name == "ffn_gate":
+                    w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+                if shape == DEMO_SHAPE:  # the demo's own draws, in its order, as always
+                    w.add_tensor(p + name + ".weight", rand(rows, cols))
+                    continue
+                if name not in shared:
+                    m = rand(rows, cols)
+                    shared[name] = m if qtype is None else gguf.quants.quantize(
+                        m.astype(np.float32), qtype)
+                w.add_tensor(p + name + ".weight", shared[name], raw_dtype=qtype)
 
         w.write_header_to_file()
         w.write_kv_data_to_file()

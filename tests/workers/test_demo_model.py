@@ -155,6 +155,7 @@ def test_demo_model_runs_in_llama_server(demo_file, tmp_path):
 
 
 SMALL_F16 = ModelShape(n_embd=256, n_layer=3, n_head=8, n_head_kv=2, n_ff=512, dtype="f16")
+SMALL_Q4 = ModelShape(n_embd=256, n_layer=2, n_head=8, n_head_kv=2, n_ff=512, dtype="q4_0")
 
 
 def test_a_bigger_shape_keeps_vocab_and_template_and_stores_f16(tmp_path, demo_file):
@@ -176,9 +177,19 @@ def test_a_bigger_shape_keeps_vocab_and_template_and_stores_f16(tmp_path, demo_f
     assert shapes["blk.0.ffn_down.weight"] == (512, 256)
 
 
+def test_a_quantized_shape_stores_q4_0_and_layers_share_one_draw(tmp_path):
+    r = gguf.GGUFReader(str(write_demo_model(tmp_path / "q.gguf", shape=SMALL_Q4)))
+    t = {x.name: x for x in r.tensors}
+    assert t["blk.1.ffn_up.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    assert tuple(int(x) for x in t["blk.1.ffn_up.weight"].shape) == (256, 512)
+    assert t["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert bytes(t["blk.0.ffn_up.weight"].data) == bytes(t["blk.1.ffn_up.weight"].data)
+    assert bytes(t["blk.0.ffn_up.weight"].data) != bytes(t["blk.0.ffn_gate.weight"].data)
+
+
 def test_shapes_that_cannot_work_are_refused(tmp_path):
     for bad in (ModelShape(n_embd=100, n_head=8), ModelShape(n_head=4, n_head_kv=3),
-                ModelShape(dtype="q4_0")):
+                ModelShape(dtype="q5_k"), ModelShape(n_embd=80, n_head=4, n_head_kv=4, dtype="q4_0")):
         with pytest.raises(ValueError, match="unusable model shape"):
             write_demo_model(tmp_path / "x.gguf", shape=bad)
     assert not list(tmp_path.iterdir())
@@ -190,8 +201,9 @@ def test_gpu_bench_shape_is_llama_3_2_1b_layers():
 
 
 @pytest.mark.slow
-def test_a_bigger_shape_runs_in_llama_server(tmp_path):
-    f = write_demo_model(tmp_path / "big.gguf", shape=SMALL_F16)
+@pytest.mark.parametrize("shape", [SMALL_F16, SMALL_Q4], ids=["f16", "q4_0"])
+def test_a_bigger_shape_runs_in_llama_server(tmp_path, shape):
+    f = write_demo_model(tmp_path / "big.gguf", shape=shape)
     port = _free_port()
     proc = subprocess.Popen([str(ensure_llama_server()), "-m", str(f), "--host", "127.0.0.1",
                              "--port", str(port), "-np", "1", "-c", "512", "-t", "1"],
