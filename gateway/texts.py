@@ -5,6 +5,13 @@ CONTEXT_OVERFLOW_MESSAGE = ("the prompt is longer than the context length curren
                             "model; shorten the prompt, adjust the context length in settings, or use "
                             "a model with a longer context length")
 
+# llama-server's words when a decode finds no free KV cells (server-context.cpp: it then fails
+# every slot it is processing with them, status 500) and the gateway's for the same fault.
+KV_EXHAUSTED_WORKER_TEXT = "Context size has been exceeded."
+KV_EXHAUSTED_MESSAGE = ("the worker ran out of KV cache for the requests it was running together "
+                        "(its slots share one cache), so llama-server ended them all (\"Context "
+                        "size has been exceeded.\"); please retry")
+
 
 def header_text(value: str) -> str:
     """A request header's value made safe to show in an error text or a log: ``value`` is what

@@ -31,7 +31,8 @@ import orjson
 from gateway.admission import Admission
 from gateway.logs import get_logger
 from gateway.scheduling import SlotLease, Ticket
-from gateway.texts import context_overflow, shutting_down_running
+from gateway.texts import (KV_EXHAUSTED_MESSAGE, KV_EXHAUSTED_WORKER_TEXT, context_overflow,
+                          shutting_down_running)
 from gateway.watchdog import StreamWatch, Watchdog
 from gateway.worker_http import (SpareConnections, WorkerConnectionError, WorkerPayloadError,
                                  WorkerResponse, send)
@@ -91,7 +92,8 @@ def parse_error_body(status: int, body: bytes) -> UpstreamError:
     ``n_ctx``, server-common.cpp) gets the gateway's words for that fault
     (``texts.context_overflow``), as the prompt length check words it: a chat that passed
     that check (it counts the messages, not the chat template) and that the worker refuses
-    reads the same on every route. A 500 whose text is in :data:`CLIENT_FAULT_500` is 400."""
+    reads the same on every route. A 500 whose text is in :data:`CLIENT_FAULT_500` is 400; KV
+    exhaustion is 503 ``kv_exhausted`` (see :func:`error_event`)."""
     try:
         data = orjson.loads(body)
         err = data.get("error", data) if isinstance(data, dict) else data
@@ -100,6 +102,8 @@ def parse_error_body(status: int, body: bytes) -> UpstreamError:
             if kind == "exceed_context_size_error" and type(n) is int and type(ctx) is int:
                 return UpstreamError(status, context_overflow(n, ctx), kind)
             message = str(err.get("message") or err)
+            if message == KV_EXHAUSTED_WORKER_TEXT:  # load, as in error_event
+                return UpstreamError(503, KV_EXHAUSTED_MESSAGE, "kv_exhausted")
             if status == 500 and any(t in message for t in CLIENT_FAULT_500):
                 status = 400
             return UpstreamError(status, message, kind)
@@ -111,12 +115,19 @@ def parse_error_body(status: int, body: bytes) -> UpstreamError:
 def error_event(err) -> UpstreamError:
     """The ``error`` of a llama-server ``{"error": {"code", "message", "type"}}`` SSE event (sent
     when a stream fails after it began) as UpstreamError: status = its ``code`` (500 when absent
-    or not an integer), the status llama-server answers the same error with non-streamed."""
+    or not an integer), the status llama-server answers the same error with non-streamed.
+
+    Its KV exhaustion (``texts.KV_EXHAUSTED_WORKER_TEXT``: a decode found no free KV cells, so
+    every running request on the worker failed, which happens when slots share one cache,
+    ``--kv-unified``) is load, not a fault of the request or the server: 503
+    ``kv_exhausted`` with the gateway's words (``texts.KV_EXHAUSTED_MESSAGE``), which the API
+    handlers answer with ``Retry-After`` (field cases 2 and 3: nothing is 500 because of load)."""
     if not isinstance(err, dict):
         return UpstreamError(500, str(err))
-    code = err.get("code", 500)
-    return UpstreamError(code if isinstance(code, int) else 500, err.get("message", str(err)),
-                         err.get("type", ""))
+    code, message = err.get("code", 500), err.get("message", str(err))
+    if message == KV_EXHAUSTED_WORKER_TEXT:
+        return UpstreamError(503, KV_EXHAUSTED_MESSAGE, "kv_exhausted")
+    return UpstreamError(code if isinstance(code, int) else 500, message, err.get("type", ""))
 
 
 def _watchdog_limits(config) -> dict:

@@ -10,8 +10,8 @@ import orjson
 from gateway.admission import Admission
 from gateway.config import parse_config
 from gateway.scheduling import Dispatcher
-from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
-from gateway.upstream import Upstream, iter_sse_batches, parse_error_body
+from gateway.texts import CONTEXT_OVERFLOW_MESSAGE, KV_EXHAUSTED_MESSAGE
+from gateway.upstream import Upstream, error_event, iter_sse_batches, parse_error_body
 from tests.test_worker_http import post, serve
 
 
@@ -132,3 +132,14 @@ def test_worker_500s_that_are_the_clients_fault_are_400():
     e = parse_error_body(500, b'{"error":{"code":500,"message":"got exception: out of memory"}}')
     assert (e.status, e.message) == (500, "got exception: out of memory")
     assert parse_error_body(501, b'{"error":{"message":"audio input is not supported"}}').status == 501
+
+
+def test_kv_exhaustion_is_load_not_a_server_fault():
+    """llama-server fails every running request with 500 "Context size has been exceeded."
+    when a decode finds no free KV cells (slots sharing one cache): 503 ``kv_exhausted``,
+    in a stream's error event and in an error answer alike; other 500s stay 500."""
+    err = {"code": 500, "message": "Context size has been exceeded.", "type": "server_error"}
+    for e in (error_event(err), parse_error_body(500, orjson.dumps({"error": err}))):
+        assert (e.status, e.kind, e.message) == (503, "kv_exhausted", KV_EXHAUSTED_MESSAGE)
+    e = error_event({"code": 500, "message": "Compute error.", "type": "server_error"})
+    assert (e.status, e.message) == (500, "Compute error.")

@@ -92,6 +92,14 @@ def error_response(path: str, e: ApiError) -> web.Response:
     return ollama_error(e.status, e.message, e.headers)
 
 
+def upstream_headers(status: int, retry_after_s: int) -> dict | None:
+    """Headers of the answer to a request its worker failed: ``Retry-After`` (``retry_after_s``,
+    the configured ``queue.retry_after_s``) with a 503 (the worker ran out of KV cache for the
+    requests it ran together, was still loading, or the gateway shut down: a later try can
+    succeed); none otherwise."""
+    return {"Retry-After": str(retry_after_s)} if status == 503 else None
+
+
 def admission_error(e: Exception, retry_after_s: int) -> ApiError:
     """Admission's answer for a request it will not run, as ApiError (503 unless the refusal
     says otherwise): ``QueueFull`` (Ollama's ``ErrMaxQueue`` text), ``QueueTimeout``, or a

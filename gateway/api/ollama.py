@@ -28,7 +28,7 @@ from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import model_capabilities, require
 from gateway.api.common import (make_ticket, note_upstream_error, optional, read_json,
                                 start_stream, t0_ns, visible_entries)
-from gateway.api.errors import ApiError, admission_error, ollama_error
+from gateway.api.errors import ApiError, admission_error, ollama_error, upstream_headers
 from gateway.api.render import render_prompt, upstream_error_text
 from gateway.api.ollama_mapping import (
     StreamState,
@@ -269,7 +269,8 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     if st.error:
         note_upstream_error(request, st.error, out is not None, failure)
         if out is None:
-            return ollama_error(st.error_status, st.error)
+            return ollama_error(st.error_status, st.error,
+                                upstream_headers(st.error_status, gw.config.queue.retry_after_s))
         return await _end_with_error(out, st.error)
     obj = final(st)
     if hasattr(obj, "__await__"):

@@ -19,6 +19,7 @@ import orjson
 
 from gateway.api.errors import CONTEXT_OVERFLOW_MESSAGE, ApiError
 from gateway.api.openai_fold import fold_tool_call_deltas
+from gateway.upstream import error_event
 
 # api/types.go DefaultOptions (the ones Ollama always sends to its runner).
 OLLAMA_DEFAULTS: dict = {
@@ -172,6 +173,8 @@ class StreamState:
         self.error = _err_text(err)
         if isinstance(err, dict) and err.get("type") == "exceed_context_size_error":
             self.error, self.error_status = CONTEXT_OVERFLOW_MESSAGE, 400
+        elif (e := error_event(err)).kind == "kv_exhausted":  # load: 503 (upstream.error_event)
+            self.error, self.error_status = e.message, e.status
 
     def take_logprobs(self, top: int = 20) -> list[dict]:
         """The logprobs gathered since the last call; ``top_logprobs`` dropped when ``top`` is 0

@@ -24,7 +24,7 @@ from gateway.api.common import (make_ticket, note_upstream_error, read_json, sta
 from gateway.api import openai_checks, openai_structured
 from gateway.api.capabilities import model_capabilities
 from gateway.api.errors import (admission_error, model_not_found_v1, openai_error,
-                                openai_error_body, resolve_v1_model)
+                                openai_error_body, resolve_v1_model, upstream_headers)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.api.openai_usage import UsageSum
 from gateway.api.render import render_prompt
@@ -93,7 +93,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
             e.status if 400 <= e.status < 500 or e.status in (502, 503, 504) else 500)
         note_upstream_error(request, e.message, out is not None, e)
         if out is None:
-            return openai_error(status, e.message)
+            return openai_error(status, e.message,
+                                upstream_headers(status, gw.config.queue.retry_after_s))
         await out.write(_sse(openai_error_body(status, e.message)))
     await out.write_eof()
     return out
