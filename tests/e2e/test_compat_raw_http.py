@@ -94,8 +94,12 @@ def _check_incremental(url: str, via_nginx: bool = False):
     assert r.headers["content-type"] == "application/x-ndjson"
     first, last = lines[0][0], lines[-1][0]
     # Tokens arrive as generated: the first line long before the last, spread over many reads.
+    # A buffering proxy sends them in 4-8 KB pieces of about 40 lines: through nginx told to
+    # ignore X-Accel-Buffering, 65 distinct arrival times for about 2,580 lines, against 1,780
+    # unbuffered (a check of "> 20" passed that buffered stream too; a fresh tester's find).
     assert first < 0.5 * last
-    assert len({round(t, 3) for t, _ in lines}) > 20
+    arrivals = len({round(t, 3) for t, _ in lines})
+    assert arrivals > len(lines) / 5, (arrivals, len(lines))
 
 
 def test_case19_streams_not_buffered_direct(gw):
