@@ -54,6 +54,10 @@ def test_eight_long_requests_run_four_at_once(gateway_factory):
     # at some instant both workers ran 2 and 4 waited in the gateway
     assert any(sorted(busy.values()) == [2, 2] and q == 4 for _, busy, q in samples), samples[:20]
     assert any(sorted(per.values()) == [2, 2] for per, _, _ in samples)
+    # field case 9: /api/ps lists the model once, with the capacity of both workers
+    ps = httpx.get(gw.url + "/api/ps", timeout=10).json()["models"]
+    assert [m["name"] for m in ps] == ["demo:latest"], ps
+    assert sorted(w["slots"] for w in ps[0]["workers"]) == [2, 2], ps
 
 
 def test_queue_full_answers_503_with_ollama_body(gateway_factory):
