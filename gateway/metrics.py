@@ -220,6 +220,10 @@ class LiveCollector:
             f"{PREFIX}_worker_restarts",
             "Worker restarts: crash, failed start, wedge, admin or reload restart, leaked slot",
             labels=labels)
+        crashes = CounterMetricFamily(
+            f"{PREFIX}_worker_crashes",
+            "Worker runs that ended without the gateway stopping them: exits, kills, wedges, "
+            "failed starts", labels=labels)
         up = GaugeMetricFamily(f"{PREFIX}_worker_up", "1 when the worker is ready and in rotation",
                                labels=labels)
         state = GaugeMetricFamily(f"{PREFIX}_worker_state", "1 for the worker's current state",
@@ -244,10 +248,12 @@ class LiveCollector:
             if rate is not None:
                 seq_tps.add_metric(lv, rate)
             restarts.add_metric(lv, sup.restarts)
+            crashes.add_metric(lv, sup.crashes)
             up.add_metric(lv, 1 if st == "ready" else 0)
             for s in WORKER_STATES:
                 state.add_metric(lv + [s], 1 if st == s else 0)
-        yield from (busy, total, prefill, kv, deferred, tps, speed, seq_tps, restarts, up, state)
+        yield from (busy, total, prefill, kv, deferred, tps, speed, seq_tps, restarts, crashes,
+                    up, state)
         gl = ["gpu", "name"]
         util = GaugeMetricFamily(f"{PREFIX}_gpu_utilization_percent", "NVML GPU utilisation (%)", labels=gl)
         mem = GaugeMetricFamily(f"{PREFIX}_gpu_memory_used_bytes", "NVML memory used (bytes)", labels=gl)

@@ -60,6 +60,14 @@ def test_crash_mid_request_errors_streams_and_queued_run_elsewhere(gateway_facto
     metrics = httpx.get(gw.url + "/metrics", timeout=5).text
     assert 'llama_gateway_answers_cut_total{endpoint="/api/generate",model="demo:latest"} 2.0' \
         in metrics, [m for m in metrics.splitlines() if "answers_cut" in m]
+    # field case 16: a metric counts the crash (restarts_total counts every restart's cause)
+    assert (f'llama_gateway_worker_crashes_total{{gpu="cpu",model="demo:latest",'
+            f'worker="{victim["id"]}"}} 1.0') in metrics, \
+        [m for m in metrics.splitlines() if "crashes" in m]
+    # the 3 queued requests ran (each request.done names the worker that served it)
+    served = [e for e in events if e["event"] == "request.done" and not e.get("cut")
+              and e.get("path") == "/api/generate"]
+    assert len(served) == 5 and all(e["status"] == 200 and e.get("worker") for e in served), served
 
 
 def test_crash_loop_marks_worker_failed_then_retries(tmp_path, gateway_factory):
