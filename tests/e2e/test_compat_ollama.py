@@ -123,7 +123,9 @@ def test_case24_list_ps_show_typed(gw, client):
     assert isinstance(show.modelinfo, dict) and show.modelinfo["general.architecture"] == "llama"
     assert show.modelinfo["llama.context_length"] == 4096 and show.modelinfo["llama.embedding_length"] == 64
     assert "<|im_start|>" in show.template and show.capabilities == ["completion"]
-    assert show.details.parameter_size and show.parameters.startswith("num_ctx")
+    assert show.details.parameter_size
+    # field case 4: the real per-slot context (read back from /slots), as /api/ps shows it
+    assert show.parameters.splitlines()[0].split() == ["num_ctx", "1024"], show.parameters
     assert client.show("tooly").capabilities == ["completion", "tools"]
     assert client.show("FRIENDLY").details.family == "llama"  # alias, case-insensitive
 
