@@ -260,9 +260,11 @@ def test_case5_and_21_errors_are_openai_objects(gw, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": long}])
     assert "context" in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as streamed:
         list(client.chat.completions.create(model="demo", stream=True,
                                             messages=[{"role": "user", "content": long}]))
+    # streamed too: the OpenAI error object, the same one (field case 5)
+    assert streamed.value.body == e.value.body and set(e.value.body) == {"message", "type", "param", "code"}
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="nope", messages=MSG)
     assert e.value.body == {  # OpenAI's answer for a model that does not exist
