@@ -22,20 +22,24 @@ def long_cfg(**over):
     return cfg
 
 
-def _watch(gw, stop, samples):
-    """Poll each worker's own /slots and the gateway's accounting until ``stop`` is set."""
+def _watch(gw, stop, samples, states=None):
+    """Poll each worker's own /slots and the gateway's accounting until ``stop`` is set;
+    ``states`` (a set) collects every worker state seen."""
+    states = set() if states is None else states
     while not stop.is_set():
         ws = gw.workers()
         per = {w["id"]: sum(1 for s in gw.slots(w) if s.get("is_processing")) for w in ws}
         st = httpx.get(gw.url + "/gateway/api/workers").json()
         samples.append((per, {w["id"]: w["busy"] for w in st["workers"]}, st["queue"]["depth"]))
+        # field case 12: every slot busy is never "unhealthy": the workers stay ready
+        states.update(w["state"] for w in st["workers"])
         time.sleep(0.05)
 
 
 def test_eight_long_requests_run_four_at_once(gateway_factory):
     gw = gateway_factory(long_cfg())
-    stop, samples = threading.Event(), []
-    watcher = threading.Thread(target=_watch, args=(gw, stop, samples))
+    stop, samples, states = threading.Event(), [], set()
+    watcher = threading.Thread(target=_watch, args=(gw, stop, samples, states))
     watcher.start()
     try:
         with cf.ThreadPoolExecutor(8) as ex:
@@ -54,6 +58,7 @@ def test_eight_long_requests_run_four_at_once(gateway_factory):
     # at some instant both workers ran 2 and 4 waited in the gateway
     assert any(sorted(busy.values()) == [2, 2] and q == 4 for _, busy, q in samples), samples[:20]
     assert any(sorted(per.values()) == [2, 2] for per, _, _ in samples)
+    assert states == {"ready"}, states
     # field case 9: /api/ps lists the model once, with the capacity of both workers
     ps = httpx.get(gw.url + "/api/ps", timeout=10).json()["models"]
     assert [m["name"] for m in ps] == ["demo:latest"], ps
