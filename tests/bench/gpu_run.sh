@@ -28,7 +28,9 @@ if [ -f .device/llama-server-cuda.tar.xz ]; then
   [ -n "$lib" ] && export LD_LIBRARY_PATH=$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 : "${LLAMA_SERVER:?set LLAMA_SERVER to a CUDA build of llama-server}"
-nvidia-smi -L
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+nproc
+ldd "$(dirname "$LLAMA_SERVER")"/libggml-cuda.so 2>/dev/null | grep -E "not found|cublas|cudart"
 "$LLAMA_SERVER" --version 2>&1 | tail -1
 "$LLAMA_SERVER" --list-devices 2>&1 | tail -3
 python3 -m gateway check-config -c gateway.yaml 2>&1 | tail -4

@@ -154,6 +154,34 @@ def test_prompt_longer_than_slot_context_400(gateway_factory):
     assert e.value.body["message"].startswith(CONTEXT_OVERFLOW_MESSAGE)
 
 
+def test_generate_context_counts_as_its_tokens_not_its_text(gateway_factory):
+    """An ``/api/generate`` ``context`` (the token ids a previous answer returned) is detokenized
+    in front of the prompt; its text's bytes badly overestimate its tokens (a repeated word is 5
+    bytes a token, a special token 12), so a follow-up turn that fits was refused 400 "about N
+    tokens" (8,017 tokens in a 16,384-token slot, a fresh tester's find). Its length is now
+    counted as it is, and only what cannot fit is refused, with the exact count."""
+    cfg = base_config(free_port())
+    cfg["models"][0].update(cpu=1, slots=1, context=2048)
+    gw = gateway_factory(cfg)
+    r1 = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "cture" * 1500, "stream": False,
+        "options": {"num_predict": 5}})
+    assert r1.status_code == 200, r1.text
+    ctx = r1.json()["context"]
+    assert 1400 < len(ctx) < 1600, len(ctx)
+    im_start = 557  # <|im_start|>: 12 bytes of text for one token
+    for context in (ctx, [im_start] * 1800):
+        r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+            "model": "demo", "prompt": "hello", "context": context, "stream": False,
+            "options": {"num_predict": 3}})
+        assert r.status_code == 200, r.text[:300]
+        assert len(context) <= r.json()["prompt_eval_count"] <= len(context) + 20  # + the template
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "", "context": [im_start] * 2100, "stream": False})
+    assert (r.status_code, r.json()) == (400, {"error": CONTEXT_OVERFLOW_MESSAGE + (
+        " (prompt: 2100 tokens, context per slot: 2048 tokens)")}), r.text[:300]
+
+
 def test_slow_headers_and_body_are_cut(limited):
     with socket.create_connection(("127.0.0.1", limited.port)) as s:
         s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\n")  # headers never end
