@@ -72,7 +72,8 @@ class Admission:
 
     def refuse_queued(self) -> None:
         """Answer the queued requests that the dispatcher now refuses (``Dispatcher.refusal``)
-        with why; called after every fleet change that can cause one (and after a reload)."""
+        or that no longer fit its workers (``Dispatcher.drop_refused``) with why; called after
+        every fleet change that can cause one (and after a reload)."""
         for t, why in self.dispatcher.drop_refused():
             self._fail(t, why)
 
@@ -102,11 +103,16 @@ class Admission:
             fut.set_exception(error)
 
     def worker_slots(self, worker_id: str, slots: int) -> None:
+        """Slots read back from the worker; a queued request that now asks for more slots
+        than any worker has gets ``TooManySlots``."""
         self._deliver(self.dispatcher.set_slots(worker_id, slots))
+        self.refuse_queued()
 
     def worker_context(self, worker_id: str, n_ctx: int, kv_capacity: int | None = None) -> None:
-        """Per-slot context and whole KV capacity (tokens) read back from the worker."""
+        """Per-slot context and whole KV capacity (tokens) read back from the worker; a queued
+        request whose prompt now fits no worker gets ``TooLarge``."""
         self._deliver(self.dispatcher.set_context(worker_id, n_ctx, kv_capacity))
+        self.refuse_queued()
 
     def worker_load(self, worker_id: str, load) -> None:
         """A polled ``WorkerLoad`` (telemetry); may free queued requests (KV headroom)."""

@@ -30,7 +30,7 @@ import orjson
 
 from gateway.admission import Admission
 from gateway.logs import get_logger
-from gateway.scheduling import SlotLease, Ticket
+from gateway.scheduling import SlotLease, Ticket, TooLarge, TooManySlots
 from gateway.texts import (KV_EXHAUSTED_MESSAGE, KV_EXHAUSTED_WORKER_TEXT, context_overflow,
                           shutting_down_running)
 from gateway.watchdog import StreamWatch, Watchdog
@@ -292,16 +292,20 @@ class Upstream:
         last: UpstreamError | None = None
         for attempt in range(self.attempts):
             # A free slot is taken at once; only a queued ticket needs the deadline's timer.
-            lease = self.admission.submit(ticket)
-            if on_admitted is not None:
-                on_admitted()
-            if lease is None:
-                try:
+            try:
+                lease = self.admission.submit(ticket)
+                if on_admitted is not None:
+                    on_admitted()
+                if lease is None:
                     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                         lease = await self.admission.wait(ticket)
-                except TimeoutError:
-                    raise UpstreamError(504, "request deadline exceeded while waiting for a "
-                                             "slot", "deadline") from None
+            except TimeoutError:
+                raise UpstreamError(504, "request deadline exceeded while waiting for a "
+                                         "slot", "deadline") from None
+            except (TooLarge, TooManySlots) as e:
+                # the handler checked it fits; a reload (or a retry's fleet) since gave the model
+                # fewer slots or a shorter context: 400, as for a new request, not a queue timeout
+                raise UpstreamError(400, str(e), "does_not_fit") from None
             resp = None
             try:
                 ep = self.endpoint_of(lease.worker.id)

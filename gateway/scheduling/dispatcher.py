@@ -407,11 +407,19 @@ class Dispatcher:
             return None
         return self._queue_refusal(model, "")
 
-    def drop_refused(self) -> list[tuple[Ticket, Unavailable]]:
-        """Remove and return the queued tickets that ``refusal`` now refuses, each with why."""
-        gone = []
+    def drop_refused(self) -> list[tuple[Ticket, Exception]]:
+        """Remove and return the queued tickets that ``refusal`` now refuses, or that
+        ``check_fits`` now rejects (a reload gave the model fewer slots or a shorter context
+        than a waiting ticket needs: waiting could only end in the queue timeout), each with
+        why (``Unavailable``, ``TooManySlots``, ``TooLarge``)."""
+        gone: list[tuple[Ticket, Exception]] = []
         for t in list(self.queue):
-            why = self.refusal(t.model)
+            why: Exception | None = self.refusal(t.model)
+            if why is None:
+                try:
+                    self.check_fits(t)
+                except (TooManySlots, TooLarge) as e:
+                    why = e
             if why is not None:
                 self.queue.remove(t)
                 gone.append((t, why))

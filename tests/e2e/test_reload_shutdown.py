@@ -1145,3 +1145,39 @@ def test_requests_during_a_rolled_back_reload_wait_instead_of_503(gateway_factor
     assert reload.result().status_code == 400 and reload.result().json()["rolled_back"] == ["demo-cpu0"]
     assert len(answers) >= 3 and [a.status_code for a in answers] == [200] * len(answers), \
         [(a.status_code, a.text[:120]) for a in answers]
+
+
+def test_a_queued_request_that_a_reload_makes_too_big_gets_its_400_at_once(gateway_factory):
+    """A ``/v1`` request with ``n = 2`` waits while both slots are busy; a reload gives the model
+    one slot. It waited the whole ``queue.timeout_s`` and then got 503 "please try again",
+    though any retry could only get 400 (a fresh tester's find). It now gets that 400 as soon
+    as the reloaded worker reports its slots, long before the queue timeout."""
+    cfg = base_config(free_port(), admin={"token": "t"}, queue={"timeout_s": 60},
+                      shutdown={"drain_s": 1},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 2,
+                               "context": 4096, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    long = {"model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 100000}}
+    with cf.ThreadPoolExecutor(4) as ex:
+        streams = [ex.submit(lambda: httpx.post(gw.url + "/api/generate", json=long, timeout=90))
+                   for _ in range(2)]
+        end = time.monotonic() + 20
+        while gw.workers()[0]["busy"] < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        two = ex.submit(lambda: httpx.post(gw.url + "/v1/chat/completions", timeout=90, json={
+            "model": "demo", "n": 2, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}]}))
+        end = time.monotonic() + 10
+        while gw.status()["queue"]["depth"] < 1 and time.monotonic() < end:
+            time.sleep(0.05)
+        cfg["models"][0]["slots"] = 1
+        gw.cfg_path.write_text(yaml.safe_dump(cfg))
+        assert _reload(gw).status_code == 200
+        r = two.result(60)
+        took = time.monotonic() - t0
+        for s in streams:
+            s.result(60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("n = 2 asks for 2 choices at once"), r.text
+    assert took < 30, took  # the reload's drain and restart, not the 60 s queue timeout

@@ -475,3 +475,25 @@ def test_several_prompts_beyond_a_worker_wait_for_a_whole_worker_and_hold_it():
     (got, held), = a.release()  # a's worker is wholly free now
     assert got is third and held.worker is a.worker and held.slots == 2
     assert len(d.queue) == 0 and a.worker.busy == 2 and lease.worker.busy == 2
+
+
+def test_queued_tickets_that_no_longer_fit_are_dropped_with_why():
+    """A reload that gives the model fewer slots or a shorter context than a waiting ticket
+    needs: waiting could only end in the queue timeout (a fresh tester's find: a queued
+    ``n = 2`` waited the whole ``queue.timeout_s`` after its model went to 1 slot, then got
+    "try again", which could only fail). ``drop_refused`` takes them out with the 400's why."""
+    from gateway.scheduling import TooLarge
+    d, _ = mk(n_workers=1, slots=2, max_pending=8)
+    for w in d.workers.values():
+        w.n_ctx = 1000
+    held = [d.submit(t(i)) for i in range(2)]
+    assert all(held)
+    two, big, small = t(10, slots=2), t(11, prompt_tokens=800), t(12, prompt_tokens=100)
+    assert [d.submit(x) for x in (two, big, small)] == [None] * 3
+    assert d.drop_refused() == []
+    d.set_slots("w0", 1)
+    d.set_context("w0", 500)
+    gone = dict(d.drop_refused())
+    assert set(gone) == {two, big} and list(d.queue) == [small]
+    assert isinstance(gone[two], TooManySlots) and gone[two].max_slots == 1
+    assert isinstance(gone[big], TooLarge) and gone[big].n_ctx == 500
