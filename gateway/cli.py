@@ -142,6 +142,8 @@ def _calibrate(args, argv: list[str]) -> int:
            else "--repeats must be at least 1" if args.repeats < 1
            else "--context must be at least 16 tokens" if args.context < 16
            else "--threads must be at least 1" if args.threads is not None and args.threads < 1
+           else f"--binary is not an executable file: {args.binary}"
+           if args.binary and not (os.path.isfile(args.binary) and os.access(args.binary, os.X_OK))
            else _gpu_problem(args.gpu))
     if bad is None and args.model:
         try:
@@ -171,6 +173,9 @@ def _calibrate(args, argv: list[str]) -> int:
     except (ProvisionError, ValueError) as e:  # no binary; too few slots to fit a batch slope
         sys.stderr.write(f"llama-gateway calibrate: {e}\n")
         return 2
+    except (RuntimeError, TimeoutError) as e:  # its llama-server exited or never got ready
+        sys.stderr.write(f"llama-gateway calibrate: {e}\n")
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: its llama-server was stopped on the way out
         sys.stderr.write("llama-gateway calibrate: interrupted, nothing written\n")
         return 130

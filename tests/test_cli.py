@@ -208,6 +208,7 @@ def test_simulate_png_without_matplotlib_is_refused_before_the_runs(tmp_path):
     (("--context", "0"), "--context must be at least 16 tokens"),
     # no GPU: "no NVIDIA GPU found (NVML)"; on a GPU machine: "NVML finds GPUs 0"
     (("--gpu", "99"), "--gpu 99: "),
+    (("--binary", "{file}"), "--binary is not an executable file: {file}"),
     (("--model", "{file}"), "--model is not a readable GGUF file: {file} ("),
     (("--out", "{file}/x.json"), "--out cannot be written: {file}/x.json ({file} is not a directory)")])
 def test_calibrate_refuses_bad_arguments_before_starting_a_server(tmp_path, args, msg):
@@ -237,6 +238,20 @@ def test_demo_model_to_an_existing_folder_is_refused(tmp_path):
     r = run("demo-model", "--path", str(tmp_path))
     assert r.returncode == 1 and r.stdout == "", r.stdout
     assert r.stderr == f"llama-gateway demo-model: cannot write {tmp_path}: Is a directory\n"
+
+
+@pytest.mark.slow
+def test_calibrate_says_why_its_llama_server_did_not_start(tmp_path):
+    """A llama-server that exits before it is ready (here: ``-c`` past an int, 8 slots ×
+    300,000,000) was a Python traceback without llama-server's reason (a fresh tester's
+    find); it is one line with the server's own error, exit status 1, and no file."""
+    out = tmp_path / "cal.json"
+    r = run("calibrate", "--context", "300000000", "--out", str(out), timeout=60)
+    said = [ln for ln in r.stderr.splitlines() if not ln.startswith("{")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert said == ["llama-gateway calibrate: llama-server exited with status 1 before it was "
+                    'ready: error while handling argument "-c": stoi'], r.stderr
+    assert not out.exists()
 
 
 @pytest.mark.slow

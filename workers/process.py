@@ -192,6 +192,20 @@ class LaunchSpec:
         return env
 
 
+def error_text(line: str) -> str | None:
+    """The error a llama-server output line reports (at most 300 characters), or None: a line
+    with the level letter E after its timestamp (``0.00.009.380 E llama_model_load: …``, the
+    text after the letter), or one without a prefix that starts with ``error`` (its
+    command-line parser's ``error: invalid argument: --x``, pinned build common/arg.cpp)."""
+    parts = line.split(" ", 2)
+    level = parts[1] if len(parts) > 2 and len(parts[1]) == 1 else ""
+    if level == "E":
+        return parts[2][:300]
+    if not level and line.startswith("error"):
+        return line[:300]
+    return None
+
+
 # llama-server 'W' lines that are routine per-request chatter, logged like its info lines:
 # a prompt that is all in the slot's cache (a repeated or regenerated prompt) gets two
 # (server-context.cpp, [TAG_PROMPT_LOGITS]: "need to evaluate at least 1 token …" and "n_past
@@ -285,10 +299,11 @@ class WorkerProcess:
         """
         parts = text.split(" ", 2)
         level = parts[1] if len(parts) > 2 and len(parts[1]) == 1 else ""
-        if level == "E" or (not level and text.startswith("error")):
+        error = error_text(text)
+        if error is not None:
             self.log.error("worker.output", stream=stream, line=text)
             if self.first_error is None:
-                self.first_error = (parts[2] if level else text)[:300]
+                self.first_error = error
         elif level == "W" and not any(b in text for b in ROUTINE_WARNINGS):
             self.log.warning("worker.output", stream=stream, line=text)
         elif self._operator_verbosity:

@@ -29,6 +29,7 @@ import random
 import secrets
 import statistics
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from gateway.simulator.calibration import (
     profile_dict,
     step_s,
 )
-from workers.process import LaunchSpec, free_port, set_pdeathsig
+from workers.process import LaunchSpec, error_text, free_port, set_pdeathsig
 
 log = get_logger(__name__)
 
@@ -75,20 +76,29 @@ class Server:
 
 @contextmanager
 def start_server(spec: LaunchSpec) -> Iterator[Server]:
-    """Run llama-server until the block ends (SIGTERM, then SIGKILL after 10 s)."""
+    """Run llama-server until the block ends (SIGTERM, then SIGKILL after 10 s).
+
+    Raises ``RuntimeError`` when it exits before it is ready (with its first error line,
+    ``workers.process.error_text``) and ``TimeoutError`` when it is not ready within 60 s."""
     port = free_port()
     key = secrets.token_hex(16)
     argv = spec.argv(port)
+    out = tempfile.TemporaryFile()  # its output, read only for why it exited
     # dies with this process, as the gateway's workers do: calibrate stopped by SIGTERM (a
     # timeout, a cancelled job) left its llama-server running (a fresh tester's find)
-    proc = subprocess.Popen(argv, env=spec.env(key), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=set_pdeathsig)
+    proc = subprocess.Popen(argv, env=spec.env(key), stdout=out, stderr=subprocess.STDOUT,
+                            preexec_fn=set_pdeathsig)
     srv = Server(proc, f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}, argv)
     try:
         deadline = time.monotonic() + 60
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {proc.returncode}: {' '.join(argv)}")
+                out.seek(0)
+                lines = out.read().decode("utf-8", "replace").splitlines()
+                why = next((e for ln in lines if (e := error_text(ln)) is not None),
+                           lines[-1][:300] if lines else "no output")
+                raise RuntimeError(f"llama-server exited with status {proc.returncode} before "
+                                   f"it was ready: {why}")
             try:
                 if httpx.get(srv.url + "/health", timeout=1).status_code == 200:
                     break
@@ -106,6 +116,7 @@ def start_server(spec: LaunchSpec) -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        out.close()
 
 
 def server_version(spec: LaunchSpec) -> str:
