@@ -128,6 +128,19 @@ PROFILES: dict[str, GpuProfile] = {
                                         batch_slope=0.08, attn_s_per_token=1e-8,
                                         kv_bytes_per_token=LLAMA32_3B_KV,
                                         source="llama.cpp PR #19053 perf table"),
+    # Measured: docs/calibration/h200-llama8b-q4.json (2026-11-30), written by `llama-gateway
+    # calibrate --gpu 0 --slots 8 --repeats 3` (tests/bench/gpu_run.sh) on this project's lent
+    # machine: one NVIDIA H200, a CUDA build of the pinned llama-server for sm_90 without its
+    # flash-attention kernels, a random-weight model with Llama-3.1-8B's layer sizes in Q4_0 and
+    # the demo's 559-token vocabulary (no 128k-token output layer); llama-server's own timings,
+    # fitted by gateway/simulator/calibration.py (rounded to 3 digits). Its main loop held one
+    # CPU core in every round (a virtual Xeon): the batch slope is that CPU's as much as the
+    # GPU's. KV bytes are the real model's f16 cache; the host copy rate is the assumption.
+    "h200-llama8b-q4-measured": GpuProfile("H200 (measured), random Llama 8B shape Q4_0", 9590.0,
+                                           0.00306, batch_slope=0.716, attn_s_per_token=8.70e-7,
+                                           kv_bytes_per_token=LLAMA3_8B_KV,
+                                           source="docs/calibration/h200-llama8b-q4.json "
+                                                  "(llama-gateway calibrate --gpu 0)"),
     # Measured: docs/calibration/cpu-demo.json (2026-11-30 06:51 UTC, commit 0e6c8aa), written
     # by `llama-gateway calibrate --repeats 15` (the same as tests/bench/calibrate.py): one
     # llama-server, -t 1 -np 8, the demo model, with LLAMA_ARG_FLASH_ATTN=off as the gateway

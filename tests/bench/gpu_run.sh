@@ -11,7 +11,8 @@
 # On a GPU server of your own, skip both: `pip install -e '.[test]'`, set LLAMA_SERVER to a
 # CUDA llama-server, and run the two steps at the end.
 # It writes under $OUT: pytest.log (tests/workers/test_gpu.py, tests/e2e/test_gpu_workers.py),
-# bench_gpu.md and bench.log (tests/bench/real_gpu.py), gpu-demo1b.json (the calibration).
+# bench_gpu.md and bench.log (tests/bench/real_gpu.py), gpu-demo1b.json and gpu-llama8b-q4.json
+# (the calibrations).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -29,7 +30,7 @@ if [ -f .device/llama-server-cuda.tar.xz ]; then
 fi
 : "${LLAMA_SERVER:?set LLAMA_SERVER to a CUDA build of llama-server}"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
-nproc
+nproc; grep -m1 "model name" /proc/cpuinfo
 ldd "$(dirname "$LLAMA_SERVER")"/libggml-cuda.so 2>/dev/null | grep -E "not found|cublas|cudart"
 "$LLAMA_SERVER" --version 2>&1 | tail -1
 "$LLAMA_SERVER" --list-devices 2>&1 | tail -3
@@ -38,4 +39,5 @@ python3 -m gateway check-config -c gateway.yaml 2>&1 | tail -4
 timeout 180 python3 -m pytest -q -rs -p no:cacheprovider \
   tests/workers/test_gpu.py tests/e2e/test_gpu_workers.py 2>&1 | tee "$OUT/pytest.log"
 timeout 360 python3 tests/bench/real_gpu.py --binary "$LLAMA_SERVER" --out "$OUT/bench_gpu.md" \
-  --calibration "$OUT/gpu-demo1b.json" 2>&1 | tee "$OUT/bench.log"
+  --calibration "$OUT/gpu-demo1b.json" --calibration-8b "$OUT/gpu-llama8b-q4.json" 2>&1 \
+  | tee "$OUT/bench.log"

@@ -58,8 +58,10 @@ def test_resolve_profile_by_name_or_path(tmp_path):
         resolve_profile("no-such-gpu")
 
 
-def test_cpu_demo_figures_are_the_measured_ones():
-    measured = GpuProfile.from_json(ROOT / "docs/calibration/cpu-demo.json")
-    built_in = PROFILES["cpu-demo"]
+@pytest.mark.parametrize("name, path", [("cpu-demo", "cpu-demo.json"),
+                                        ("h200-llama8b-q4-measured", "h200-llama8b-q4.json")])
+def test_measured_profiles_hold_the_figures_of_their_calibration_files(name, path):
+    measured = GpuProfile.from_json(ROOT / "docs/calibration" / path)
+    built_in = PROFILES[name]
     for key in ("prefill_tps", "decode_s1", "batch_slope", "attn_s_per_token"):
         assert getattr(built_in, key) == pytest.approx(getattr(measured, key), rel=5e-3), key
