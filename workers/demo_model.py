@@ -49,7 +49,6 @@ WEIGHT_STD = 0.02
 N_CTX_TRAIN = 4096  # the demo model's context_length (tokens) unless written with another
 
 
-
 @dataclass(frozen=True)
 class ModelShape:
     """The transformer's sizes (tokens of width, layers, heads) and its weights' storage type.
@@ -70,13 +69,15 @@ class ModelShape:
     def parameters(self) -> int:
         """Weights in the layers (embedding excluded), e.g. 0.97e9 for ``GPU_BENCH_SHAPE``."""
         kv = self.n_embd // self.n_head * self.n_head_kv
-        per_layer = 2 * self.n_embd * self.n_embd + 2 * kv * self.n_embd + 3 * self.n_ff * self.n_embd
+        per_layer = (2 * self.n_embd * self.n_embd + 2 * kv * self.n_embd
+                     + 3 * self.n_ff * self.n_embd)
         return self.n_layer * per_layer
 
 
 DEMO_SHAPE = ModelShape()
 
-GPU_BENCH_SHAPE = ModelShape(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192, dtype="f16")
+GPU_BENCH_SHAPE = ModelShape(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192,
+                             dtype="f16")
 """Llama-3.2-1B's layer sizes (its config.json: hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192), f16, with the demo vocabulary: about 1.9 GB, for benchmarks on a GPU, where
 the demo model's compute is too small to matter (written by ``tests/bench/real_gpu.py``)."""
@@ -223,8 +224,8 @@ def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAI
                      shape: ModelShape = DEMO_SHAPE) -> Path:
     """Write the demo model (see ``DEMO_MODEL_SPEC``) to ``path`` atomically and return ``path``.
 
-    ``shape`` other than :data:`DEMO_SHAPE` writes a bigger model of the same kind (same vocabulary,
-    template and control-token flag; ``general.name`` "demo-<n_embd>x<n_layer>"), whose layers
+    ``shape`` other than :data:`DEMO_SHAPE` writes a bigger model of the same kind (same
+    vocabulary, template and control-token flag; ``general.name`` "demo-<n_embd>x<n_layer>"), whose layers
     share one draw of random weights: a forward pass costs the same whatever the values, and
     fresh numbers for 8B weights would take minutes to draw. Raises ``ValueError`` for a shape
     whose heads do not divide ``n_embd``, an unknown ``dtype``, or quantized rows not a
@@ -244,7 +245,8 @@ def write_demo_model(path: Path, *, seed: int = 0, n_ctx_train: int = N_CTX_TRAI
     head_dim = n_embd // n_head
     rng = np.random.default_rng(seed)
     wtype = np.float32 if shape.dtype == "f32" else np.float16
-    qtype = getattr(gguf.GGMLQuantizationType, _QUANTIZED[shape.dtype]) if shape.dtype in _QUANTIZED else None
+    qtype = (getattr(gguf.GGMLQuantizationType, _QUANTIZED[shape.dtype])
+             if shape.dtype in _QUANTIZED else None)
 
     # float64 draws keep the demo model's bytes as they always were; a big shape draws float32
     # (about twice as fast: a 1B shape takes seconds)

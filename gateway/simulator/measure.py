@@ -3,13 +3,14 @@
 Starts one llama-server (``-np slots``, ``-c slots*context``, ``-t threads``, ``--metrics``;
 the same arguments and environment the gateway gives a CPU worker, from
 ``workers.process.LaunchSpec``, so ``LLAMA_ARG_FLASH_ATTN=off``, or with ``--gpu N`` those of a
-GPU worker on GPU N; the document records the ``LLAMA_ARG_*`` variables as ``server.env``) and sends streamed ``/completion`` requests (the
-gateway always streams from its workers, and streaming costs the server CPU per token: with
-8 streams on one core, flash attention on, the step time seen was about 1.5 ms without
-streaming and 2.3-2.6 ms with it) whose prompts are lists of token ids
-(printable byte tokens, so the length in tokens is exact; ``cache_prompt: false`` and
-``ignore_eos``, so every prompt is computed and every output runs to ``n_predict``). Figures come from llama-server's own
-``timings`` object of each response, wall-clock is recorded beside them:
+GPU worker on GPU N; the document records the ``LLAMA_ARG_*`` variables as ``server.env``) and
+sends streamed ``/completion`` requests (the gateway always streams from its workers, and
+streaming costs the server CPU per token: with 8 streams on one core, flash attention on, the
+step time seen was about 1.5 ms without streaming and 2.3-2.6 ms with it) whose prompts are
+lists of token ids (printable byte tokens, so the length in tokens is exact; ``cache_prompt:
+false`` and ``ignore_eos``, so every prompt is computed and every output runs to
+``n_predict``). Figures come from llama-server's own ``timings`` object of each response,
+wall-clock is recorded beside them:
 
 - prefill: ``prompt_n`` / ``prompt_ms`` for a few prompt lengths, one request at a time;
 - decode: ``predicted_per_token_ms`` (= ``predicted_ms / (predicted_n - 1)``, one decode
