@@ -194,6 +194,51 @@ class Upstream:
             resp.abort(WorkerConnectionError(f"worker {worker_id} {reason}"))
         return self.watchdog.abort_worker(worker_id, f"worker {worker_id} {reason}")
 
+    async def _until_answer(self, worker_id: str, resp: WorkerResponse, t_sent: float,
+                            deadline: float) -> None:
+        """Wait, within the request's retry loop, for the answer of a request that asked for
+        prompt progress: its headers and progress events come as soon as the worker begins
+        the prompt, so a worker that crashed or was found wedged while it computed a long
+        prompt (nothing of the answer sent, nothing sent to the client) failed the request
+        with 502 instead of a retry elsewhere (a fresh tester's find). What was read is put
+        back for the reader (``iter_sse_batches`` drops the progress events).
+
+        Returns at the first event that is not progress, at the end of the body, or when
+        ``timeouts.first_byte_s`` from ``t_sent`` (or the deadline) has passed: the watchdog
+        then times the request out as it always did. Raises UpstreamError ``connection``
+        (retried) when the connection breaks, ``shutdown`` when it broke because the drain
+        ran out (``end_running``)."""
+        waiting = self._awaiting_head.setdefault(worker_id, set())
+        waiting.add(resp)  # abort_worker / end_running close it
+        seen, rest = [], b""
+        try:
+            while True:
+                left = min(t_sent + self.first_byte_s, deadline) - time.monotonic()
+                if left <= 0:
+                    return
+                try:
+                    async with asyncio.timeout(left):
+                        chunk = await resp.content.readany()
+                except TimeoutError:
+                    return
+                if not chunk:
+                    return
+                seen.append(chunk)
+                lines = (rest + chunk).split(b"\n")
+                rest = lines.pop()
+                for line in lines:
+                    data = _sse_payload(line)
+                    if data and PROGRESS_KEY not in data:
+                        return
+        except WorkerPayloadError as e:
+            if self.admission.shutting_down:
+                raise UpstreamError(503, shutting_down_running(), "shutdown") from None
+            raise UpstreamError(502, f"worker {worker_id} stopped while it computed the "
+                                     f"prompt: {e}", "connection") from None
+        finally:
+            waiting.discard(resp)
+            resp.content.unread(b"".join(seen))
+
     def end_running(self) -> int:
         """The shutdown drain ran out: end every in-flight worker stream now with 503
         ``shutting_down_running`` (the handlers write it as their error line or event) and
@@ -204,6 +249,9 @@ class Upstream:
         many streams were ended."""
         for task in list(self._held):
             task.cancel()  # its finally closes the answer and gives the slot back
+        for waiting in self._awaiting_head.values():  # no answer yet: 503 (``_until_answer``)
+            for resp in list(waiting):
+                resp.abort(UpstreamError(503, shutting_down_running(), "shutdown"))
         return self.watchdog.abort_all(503, shutting_down_running(), "shutdown")
 
     async def start(self) -> None:
@@ -342,6 +390,8 @@ class Upstream:
                     raise UpstreamError(503, err.message, "worker_unavailable")
                 if resp.status >= 400:
                     raise parse_error_body(resp.status, await resp.read())
+                if progress:
+                    await self._until_answer(lease.worker.id, resp, t_sent, deadline)
             except UpstreamError as e:
                 e.worker = lease.worker.id
                 self._give_back(ticket.request_id, lease, resp, deadline, hold=False)

@@ -111,6 +111,15 @@ class Body:
             finally:
                 self._waiter = None
 
+    def unread(self, data: bytes) -> None:
+        """Put ``data`` (bytes :meth:`readany` returned) back in front of what is still to be
+        read; the next read returns it first. ``total_bytes`` is unchanged (it counts bytes
+        received)."""
+        if data:
+            self._chunks.insert(0, data)
+            self._buffered += len(data)
+            self._wake()
+
     async def iter_any(self) -> AsyncIterator[bytes]:
         """Yield the body in the pieces it arrived in (several network reads joined when the
         reader was slower than the worker). Errors as :meth:`readany`."""

@@ -99,3 +99,45 @@ def test_crash_loop_marks_worker_failed_then_retries(tmp_path, gateway_factory):
     w2 = wait_for(lambda: next((x for x in gw.workers() if x["crash_loops"] == 2), None), 30,
                   "second crash loop after the retry")
     assert w2["restarts"] == restarts + 3
+
+
+@pytest.mark.parametrize("path,stream", [("/api/generate", False), ("/api/chat", True),
+                                         ("/v1/chat/completions", True)])
+def test_a_worker_killed_while_it_computes_a_prompt_is_retried_elsewhere(tmp_path,
+                                                                          gateway_factory,
+                                                                          path, stream):
+    """A worker killed (``kill -9``) while it computes a long prompt: no answer byte was sent,
+    so the request runs again on the other worker and the client gets the whole answer. The
+    gateway asks for prompt-progress events, with which llama-server sends its headers as the
+    prompt begins; the retry covered only requests without headers, so these got 502 "the
+    worker stopped in the middle of the answer" (a fresh tester's find)."""
+    from workers.demo_model import write_demo_model
+    cfg = base_config(free_port())
+    cfg["models"][0].update(slots=1, cpu=2, context=16384,
+                            path=str(write_demo_model(tmp_path / "long.gguf", n_ctx_train=16384)))
+    gw = gateway_factory(cfg)
+    text = "on " * 11000
+    body = ({"model": "demo", "prompt": text, "raw": True} if path == "/api/generate" else
+            {"model": "demo", "messages": [{"role": "user", "content": text}]})
+    body["stream"] = stream
+    body.update({"max_tokens": 6} if path.startswith("/v1") else {"options": {"num_predict": 6}})
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(httpx.post, gw.url + path, json=body, timeout=120)
+        busy = wait_for(lambda: next((w for w in gw.workers() if w["busy"]), None), 10,
+                        "a worker on the prompt")
+        time.sleep(0.3)
+        w = next(x for x in gw.workers() if x["id"] == busy["id"])
+        assert w["prefill_backlog_tokens"] > 10000, w  # still computing the prompt
+        os.kill(w["pid"], signal.SIGKILL)
+        r = fut.result(120)
+    assert r.status_code == 200, r.text[-300:]
+    if path == "/v1/chat/completions":
+        events = [json.loads(ln[6:]) for ln in r.text.splitlines()
+                  if ln.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+    else:
+        last = json.loads(r.text.strip().splitlines()[-1])
+        assert last.get("done") is True and last["eval_count"] == 6, last
+    events = [json.loads(ln) for ln in gw.log_path.read_text().splitlines() if ln.startswith("{")]
+    retries = [e for e in events if e["event"] == "upstream.retry"]
+    assert [e["worker"] for e in retries] == [busy["id"]], retries
