@@ -1181,3 +1181,37 @@ def test_a_queued_request_that_a_reload_makes_too_big_gets_its_400_at_once(gatew
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith("n = 2 asks for 2 choices at once"), r.text
     assert took < 30, took  # the reload's drain and restart, not the 60 s queue timeout
+
+
+def test_a_prompt_still_computed_when_the_drain_ends_gets_503_at_once(tmp_path):
+    """SIGTERM while a worker computes a long prompt (no answer yet; the gateway waits for the
+    answer inside its retry loop, ``Upstream._until_answer``): at the drain's end the request
+    gets the 503 of a running request, not a retry that admission then refuses as queued, and
+    the gateway and its worker are gone within the drain and a few seconds."""
+    from workers.demo_model import write_demo_model
+    cfg = base_config(free_port(), shutdown={"drain_s": 0.5},
+                      llama_server={"threads": 1, "stop_grace_s": 10})
+    cfg["models"][0].update(slots=1, cpu=1, context=16384,
+                            path=str(write_demo_model(tmp_path / "long.gguf", n_ctx_train=16384)))
+    gw = start_gateway(tmp_path, cfg)
+    pid = gw.workers()[0]["pid"]
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(httpx.post, gw.url + "/api/generate", timeout=60, json={
+            "model": "demo", "prompt": "on " * 11000, "raw": True, "stream": False,
+            "options": {"num_predict": 4}})
+        end = time.monotonic() + 10
+        while gw.workers()[0]["busy"] == 0 and time.monotonic() < end:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert gw.workers()[0]["prefill_backlog_tokens"] > 10000  # still computing the prompt
+        t0 = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+        r = fut.result(30)
+        rc = gw.proc.wait(30)
+        took = time.monotonic() - t0
+    assert (r.status_code, r.json()) == (503, {"error": (
+        "server shutting down, please try again: the gateway is shutting down and stopped its "
+        "workers before this answer was complete")}), r.text
+    assert rc == 0 and took < 0.5 + 3, took
+    assert '"event": "worker.stop_timeout"' not in gw.log_path.read_text()
+    assert not pid_alive(pid)
