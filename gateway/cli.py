@@ -131,6 +131,7 @@ def _gpu_problem(gpu: int | None) -> str | None:
 def _calibrate(args, argv: list[str]) -> int:
     import orjson
 
+    from gateway.config import INT32_MAX
     from gateway.inventory import GGUFFacts
     from gateway.simulator.measure import calibrate, table
     from workers.demo_model import ensure_demo_model
@@ -141,6 +142,9 @@ def _calibrate(args, argv: list[str]) -> int:
     bad = ("--slots must be at least 2 (the decode fit needs two batch sizes)" if args.slots < 2
            else "--repeats must be at least 1" if args.repeats < 1
            else "--context must be at least 16 tokens" if args.context < 16
+           else (f"--slots × --context is {args.slots * args.context:,} tokens, more than "
+                 f"llama-server's -c takes ({INT32_MAX})")
+           if args.slots * args.context > INT32_MAX
            else "--threads must be at least 1" if args.threads is not None and args.threads < 1
            else f"--binary is not an executable file: {args.binary}"
            if args.binary and not (os.path.isfile(args.binary) and os.access(args.binary, os.X_OK))

@@ -206,6 +206,8 @@ def test_simulate_png_without_matplotlib_is_refused_before_the_runs(tmp_path):
     (("--slots", "0"), "--slots must be at least 2"),
     (("--repeats", "0"), "--repeats must be at least 1"),
     (("--context", "0"), "--context must be at least 16 tokens"),
+    (("--context", "300000000"), "--slots × --context is 2,400,000,000 tokens, more than "
+                                 "llama-server's -c takes (2147483647)"),
     # no GPU: "no NVIDIA GPU found (NVML)"; on a GPU machine: "NVML finds GPUs 0"
     (("--gpu", "99"), "--gpu 99: "),
     (("--binary", "{file}"), "--binary is not an executable file: {file}"),
@@ -242,15 +244,20 @@ def test_demo_model_to_an_existing_folder_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_calibrate_says_why_its_llama_server_did_not_start(tmp_path):
-    """A llama-server that exits before it is ready (here: ``-c`` past an int, 8 slots ×
-    300,000,000) was a Python traceback without llama-server's reason (a fresh tester's
-    find); it is one line with the server's own error, exit status 1, and no file."""
+    """A llama-server that exits before it is ready (here: a binary that is a llama-server
+    given an argument it refuses, through a wrapper) was a Python traceback without
+    llama-server's reason (a fresh tester's find); it is one line with the server's own
+    error, exit status 1, and no file."""
+    from workers.provision import ensure_llama_server
+    wrapper = tmp_path / "llama-server"
+    wrapper.write_text(f"#!/bin/sh\nexec '{ensure_llama_server()}' \"$@\" --no-such-flag\n")
+    wrapper.chmod(0o755)
     out = tmp_path / "cal.json"
-    r = run("calibrate", "--context", "300000000", "--out", str(out), timeout=60)
+    r = run("calibrate", "--binary", str(wrapper), "--out", str(out), timeout=60)
     said = [ln for ln in r.stderr.splitlines() if not ln.startswith("{")]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert said == ["llama-gateway calibrate: llama-server exited with status 1 before it was "
-                    'ready: error while handling argument "-c": stoi'], r.stderr
+                    "ready: error: invalid argument: --no-such-flag"], r.stderr
     assert not out.exists()
 
 
