@@ -544,12 +544,17 @@ class Fleet:
             log.info("tokenizer.measured", worker=sup.id, model=sup.spec.alias,
                      bytes_per_token=round(bpt, 3))
 
+    def bytes_per_token_of(self, model: str) -> float:
+        """UTF-8 bytes per token of ``model``'s tokenizer as measured on a worker, else the
+        configured ``scheduler.bytes_per_token``."""
+        return self.bytes_per_token.get(model, self.config.scheduler.bytes_per_token)
+
     def estimate(self, model: str, body: dict, counted_tokens: int | None = None) -> SizeEstimate:
         """Size estimate and prefix key of an upstream body for ``model`` (gateway.sizing;
         ``counted_tokens``: its single prompt's tokens counted by a worker, if known)."""
         sc = self.config.scheduler
         n_ctx = max((w.n_ctx for w in self.admission.dispatcher.workers_for(model)), default=0)
-        return estimate(body, bytes_per_token=self.bytes_per_token.get(model, sc.bytes_per_token),
+        return estimate(body, bytes_per_token=self.bytes_per_token_of(model),
                         prefix_bytes=sc.prefix_bytes,
                         unknown_num_predict=sc.unknown_num_predict_tokens, n_ctx=n_ctx,
                         counted_tokens=counted_tokens)

@@ -247,8 +247,9 @@ async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> i
         size = len(text.encode("utf-8", "surrogatepass"))
         if size + held <= ctx:  # fits even at a token per byte
             if held:  # the context's tokens are known; the text's estimated as the scheduler does
-                bpt = gw.fleet.bytes_per_token.get(entry.name) if gw.fleet else None
-                counted = held + math.ceil(size / (bpt or gw.config.scheduler.bytes_per_token))
+                bpt = (gw.fleet.bytes_per_token_of(entry.name) if gw.fleet
+                       else gw.config.scheduler.bytes_per_token)
+                counted = held + math.ceil(size / bpt)
             continue
         if gw.admission.would_refuse(entry.name) is not None:
             return None

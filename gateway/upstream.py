@@ -159,8 +159,10 @@ class Upstream:
         self.attempts = attempts
         self.session: aiohttp.ClientSession | None = None
         self._held: set[asyncio.Task] = set()  # see _hold_until_done
-        #: per worker id: the responses whose headers a request still waits for (abort_worker)
-        self._awaiting_head: dict[str, set] = {}
+        #: per worker id: the responses a request still waits on for their headers or, after
+        #: prompt-progress headers, for the answer (``_unanswered_while``; abort_worker and
+        #: end_running give up on them)
+        self._unanswered: dict[str, set] = {}
         self.spares = SpareConnections() if config.llama_server.spare_connections else None
         self.watchdog = Watchdog(UpstreamError, **_watchdog_limits(config), on_stall=on_stall,
                                  on_progress=on_progress)
@@ -190,9 +192,26 @@ class Upstream:
         another worker at once. Those waited until the process was gone: a frozen (SIGSTOPped)
         worker is stopped with SIGTERM, the grace, then SIGKILL, so its first request waited
         the wedge detection plus ``stop_grace_s`` (24 s; a fresh tester's find)."""
-        for resp in list(self._awaiting_head.get(worker_id, ())):
-            resp.abort(WorkerConnectionError(f"worker {worker_id} {reason}"))
+        self._abort_unanswered(WorkerConnectionError(f"worker {worker_id} {reason}"), worker_id)
         return self.watchdog.abort_worker(worker_id, f"worker {worker_id} {reason}")
+
+    @contextlib.contextmanager
+    def _unanswered_while(self, worker_id: str, resp: WorkerResponse):
+        """``resp`` counts among ``worker_id``'s unanswered responses while the block runs."""
+        waiting = self._unanswered.setdefault(worker_id, set())
+        waiting.add(resp)
+        try:
+            yield
+        finally:
+            waiting.discard(resp)
+
+    def _abort_unanswered(self, exc: Exception, worker_id: str | None = None) -> None:
+        """Give up on the unanswered responses (of ``worker_id``; None: all): each request's
+        wait raises ``exc`` (headers) or sees its connection closed (answer)."""
+        for wid, waiting in self._unanswered.items():
+            if worker_id in (None, wid):
+                for resp in list(waiting):
+                    resp.abort(exc)
 
     async def _until_answer(self, worker_id: str, resp: WorkerResponse, t_sent: float,
                             deadline: float) -> None:
@@ -208,35 +227,33 @@ class Upstream:
         then times the request out as it always did. Raises UpstreamError ``connection``
         (retried) when the connection breaks, ``shutdown`` when it broke because the drain
         ran out (``end_running``)."""
-        waiting = self._awaiting_head.setdefault(worker_id, set())
-        waiting.add(resp)  # abort_worker / end_running close it
         seen, rest = [], b""
         try:
-            while True:
-                left = min(t_sent + self.first_byte_s, deadline) - time.monotonic()
-                if left <= 0:
-                    return
-                try:
-                    async with asyncio.timeout(left):
-                        chunk = await resp.content.readany()
-                except TimeoutError:
-                    return
-                if not chunk:
-                    return
-                seen.append(chunk)
-                lines = (rest + chunk).split(b"\n")
-                rest = lines.pop()
-                for line in lines:
-                    data = _sse_payload(line)
-                    if data and PROGRESS_KEY not in data:
+            with self._unanswered_while(worker_id, resp):  # abort_worker / end_running close it
+                while True:
+                    left = min(t_sent + self.first_byte_s, deadline) - time.monotonic()
+                    if left <= 0:
                         return
+                    try:
+                        async with asyncio.timeout(left):
+                            chunk = await resp.content.readany()
+                    except TimeoutError:
+                        return
+                    if not chunk:
+                        return
+                    seen.append(chunk)
+                    lines = (rest + chunk).split(b"\n")
+                    rest = lines.pop()
+                    for line in lines:
+                        data = _sse_payload(line)
+                        if data and PROGRESS_KEY not in data:
+                            return
         except WorkerPayloadError as e:
             if self.admission.shutting_down:
                 raise UpstreamError(503, shutting_down_running(), "shutdown") from None
             raise UpstreamError(502, f"worker {worker_id} stopped while it computed the "
                                      f"prompt: {e}", "connection") from None
         finally:
-            waiting.discard(resp)
             resp.content.unread(b"".join(seen))
 
     def end_running(self) -> int:
@@ -249,9 +266,8 @@ class Upstream:
         many streams were ended."""
         for task in list(self._held):
             task.cancel()  # its finally closes the answer and gives the slot back
-        for waiting in self._awaiting_head.values():  # no answer yet: 503 (``_until_answer``)
-            for resp in list(waiting):
-                resp.abort(UpstreamError(503, shutting_down_running(), "shutdown"))
+        # no answer yet: 503 (``_until_answer``)
+        self._abort_unanswered(UpstreamError(503, shutting_down_running(), "shutdown"))
         return self.watchdog.abort_all(503, shutting_down_running(), "shutdown")
 
     async def start(self) -> None:
@@ -370,12 +386,9 @@ class Upstream:
                                           {"Authorization": f"Bearer {ep.api_key}",
                                            "Content-Type": "application/json"},
                                           spares=self.spares, progress=progress)
-                        waiting = self._awaiting_head.setdefault(lease.worker.id, set())
-                        waiting.add(resp)  # abort_worker gives up on it (a retry follows)
-                        try:
+                        # abort_worker gives up on it (a retry follows)
+                        with self._unanswered_while(lease.worker.id, resp):
                             await resp.wait_head()
-                        finally:
-                            waiting.discard(resp)
                 except TimeoutError:
                     if time.monotonic() >= deadline - 0.01:
                         raise UpstreamError(504, "request deadline exceeded", "deadline") from None
