@@ -8,6 +8,8 @@ the worker within about 0.5 s and the first-byte watchdog covers it; only chat w
 ``logprobs`` and ``tools``, which llama-server refuses to stream, goes up non-streamed. A chat
 with a JSON ``response_format`` runs as a completion of the rendered chat template
 (``openai_structured``).
+``/v1/completions`` answers get OpenAI's legacy ``logprobs`` shape and ``cmpl-`` ids
+(``openai_legacy``).
 Errors use the OpenAI error object (Ollama openai.NewError shape); a model that is not served
 or that the API key may not use is OpenAI's 404 ``model_not_found``
 (gateway/api/errors.py ``model_not_found_v1``).
@@ -26,6 +28,7 @@ from gateway.api.capabilities import model_capabilities
 from gateway.api.errors import (admission_error, model_not_found_v1, openai_error,
                                 openai_error_body, resolve_v1_model, upstream_headers)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
+from gateway.api.openai_legacy import LegacyCompletions, check_logprobs
 from gateway.api.openai_usage import UsageSum
 from gateway.api.render import render_prompt
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage, note_usage
@@ -44,10 +47,12 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     stream, so, include_usage = await openai_checks.check_request(gw, entry, body, required)
     body["model"] = entry.name
     convert = None  # a completion's events turned into chat chunks (openai_structured)
+    legacy = None  # /v1/completions: OpenAI's legacy logprobs and id (openai_legacy)
     if required == "messages":
         body, path, convert = await _chat_route(gw, entry, body, path)
     else:
         openai_structured.completions_format(body)
+        legacy = LegacyCompletions(check_logprobs(body))
     # A non-streamed request is streamed from the worker and folded (module doc); its
     # stream_options change nothing the client sees, as llama-server ignores them then.
     per_prompt = sizing.choices(body)  # tasks per prompt, which groups the usages to sum
@@ -70,6 +75,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
             note_lease(request, lease)
             if fold is not None:
                 answer = await _fold_stream(request, resp, fold, convert)
+                if legacy is not None:
+                    legacy.answer(answer)
                 note_usage(request, answer["usage"])
                 return web.Response(body=orjson.dumps(answer), content_type="application/json")
             if not stream:
@@ -82,7 +89,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 # "Same-run comparisons"); a long one with its first event (_relay_stream).
                 started.append(await start_stream(request, "text/event-stream"))
             await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt),
-                                convert, chat=required == "messages" and convert is None)
+                                legacy.events if legacy is not None else convert,
+                                chat=required == "messages" and convert is None)
             out = started[0]
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         err = admission_error(e, gw.config.queue.retry_after_s)
@@ -218,7 +226,8 @@ async def _relay_stream(request: web.Request, resp, started: list,
     ``started``) with the first event to send: a failure before it, such as ``first_byte_s``
     running out while the worker computes a long prompt (its stream has begun: headers and
     progress events), is still answered with its status and an OpenAI error object.
-    ``convert``: applied to each batch of payloads first (``openai_structured.ChatChunks``).
+    ``convert``: applied to each batch of payloads first (``openai_structured.ChatChunks``, or
+    ``openai_legacy.LegacyCompletions.events`` for ``/v1/completions``).
 
     ``chat``: a chat stream. llama-server puts its first ``{"role": "assistant"}`` delta in the
     prompt-progress events when there are any (server-task.cpp ``to_json_oaicompat_chat_stream``:

@@ -189,6 +189,40 @@ def test_v1_seed_past_64_bits_and_a_non_boolean_chat_logprobs_are_400(gw):
         assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
 
 
+def test_v1_completions_logprobs_in_openais_legacy_shape(gw, client):
+    """``/v1/completions`` ``logprobs: N`` comes as OpenAI's ``tokens`` / ``token_logprobs`` /
+    ``top_logprobs`` / ``text_offset`` (llama-server sends its chat-style ``content`` list, which
+    the ``openai`` client reads as all-None fields), with ``cmpl-`` ids, streamed or not."""
+    r = client.completions.create(model="demo", prompt="Once upon", max_tokens=6, logprobs=2,
+                                  temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.id.startswith("cmpl-") and len(lp.tokens) == 6 == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    assert all(x <= 0 for x in lp.token_logprobs)
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and top[tok] == logprob  # the 2 likeliest + the sampled one
+    # streamed, 2 choices: each choice's offsets run on from its own previous tokens
+    seen: dict[int, list] = {0: [], 1: []}
+    for ch in client.completions.create(model="demo", prompt="Once upon", max_tokens=5,
+                                        logprobs=0, n=2, temperature=0.9, seed=5, stream=True):
+        assert ch.id.startswith("cmpl-")
+        for c in ch.choices:
+            if c.logprobs is not None:
+                assert [len(t) for t in c.logprobs.top_logprobs] == [1] * len(c.logprobs.tokens)
+                seen[c.index].append((c.logprobs.text_offset[0], c.logprobs.tokens[0], c.text))
+    for idx, steps in seen.items():
+        assert 1 <= len(steps) <= 5, steps  # an end-of-text token may come first
+        assert [o for o, _, _ in steps] == [sum(len(t) for _, t, _ in steps[:i]) for i in range(5)]
+    for bad in (True, -1, 21, 1.5, "2"):
+        r = httpx.post(gw.url + "/v1/completions", timeout=10, json={
+            "model": "demo", "prompt": "hi", "max_tokens": 1, "logprobs": bad})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("logprobs must be an integer between 0 and 20")
+    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
+        client.completions.create(model="demo", prompt="hi", max_tokens=1, echo=True)
+
+
 def test_structured_output_runs_as_a_completion_and_never_answers_500(client):
     """``response_format`` on /v1 chat: the chat template, then /v1/completions under the
     schema's grammar, its events turned into chat chunks. llama-server's own chat route
