@@ -1,6 +1,7 @@
 """Worker and gateway failures on real processes (issue 2, field cases 12 and 14)."""
 
 import concurrent.futures as cf
+import json
 import os
 import signal
 import time
@@ -9,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import base_config, free_port, pid_alive, start_gateway
-from tests.fakes import slow_start_binary
+from tests.fakes import fake_binary, slow_start_binary
 from workers.provision import ensure_llama_server
 
 pytestmark = pytest.mark.slow
@@ -42,6 +43,41 @@ def test_kill_worker_under_load_restarts_and_serves(gateway_factory):
     direct = httpx.post(f"http://127.0.0.1:{again['port']}/completion",
                         json={"prompt": "x", "n_predict": 2}, timeout=30)
     assert direct.status_code == 401  # nobody reaches a worker without its per-start key
+
+
+def test_a_workers_loading_503_never_reaches_a_client(tmp_path, gateway_factory):
+    """Field case 12 with llama-server's own loading answer. The one worker is a FAKE
+    (``loading`` mode): for 2 s every path, ``/health`` included, answers 503 ``Loading model``
+    as llama-server does while it loads; then ``/health`` is 200 but its first 2 completions
+    still answer that 503 (a worker that says it is ready too early). Requests sent meanwhile,
+    streamed and not (``/api/generate`` with ``raw``: the FAKE answers ``/completion`` only),
+    wait or are retried: every one gets 200 and its tokens, and none sees "Loading model"."""
+    binary = fake_binary(tmp_path, "loading", first_only=False,
+                         extra="--fake-loading-s 2 --fake-loading-completions 2")
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1},
+                      models=[{"name": "demo", "path": "builtin:demo", "slots": 2,
+                               "context": 2048, "cpu": 1}])
+    gw = gateway_factory(cfg, wait=False)
+    t0 = time.monotonic()
+    assert {w["state"] for w in gw.workers()} == {"starting"}
+
+    def one(i: int) -> tuple[int, str]:
+        r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+            **REQ, "stream": i % 2 == 0, "options": {"num_predict": 4}})
+        return r.status_code, r.text
+
+    with cf.ThreadPoolExecutor(6) as ex:
+        rs = list(ex.map(one, range(6)))
+    assert [s for s, _ in rs] == [200] * 6, rs
+    assert not any("Loading model" in t for _, t in rs), rs
+    assert all("tok" in t for _, t in rs), rs  # the FAKE's tokens, not an empty answer
+    assert time.monotonic() - t0 > 2  # they were sent while it loaded
+    (w,) = gw.workers()
+    assert w["state"] == "ready" and w["restarts"] == 0
+    events = [json.loads(line) for line in gw.log_path.read_text().splitlines()
+              if line.startswith("{")]
+    retried = [e for e in events if e["event"] == "upstream.retry"]
+    assert [e["reason"] for e in retried] == ["Loading model"] * 2, retried  # both 503s retried
 
 
 def test_kill_gateway_leaves_no_worker(tmp_path):

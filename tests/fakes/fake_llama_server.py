@@ -23,6 +23,12 @@ says:
   completion routes answer 501. ``/health``, ``/slots`` (a new ``id_task`` per
   request, ``n_decoded`` counting), ``/metrics``, ``/props`` and ``/lora-adapters`` answer like
   a healthy llama-server's.
+* ``loading`` (field case 12): for ``--fake-loading-s`` seconds after it starts listening, every
+  path, ``/health`` included, answers llama-server's 503 ``Loading model``
+  (``{"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}``), as
+  llama-server does while it loads the model. Then it is healthy, but its first
+  ``--fake-loading-completions`` completions still answer that 503 (a readiness race: a worker
+  that says it is ready before it can serve). After that it behaves as ``marker``.
 
 Run: ``python fake_llama_server.py --fake-mode silent --port 8080 -np 1 -c 2048``.
 """
@@ -35,6 +41,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from aiohttp import web
 
@@ -79,8 +86,10 @@ class FakeSlots:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--fake-mode", choices=["silent", "wedge", "crash", "marker"], required=True)
+    p.add_argument("--fake-mode", choices=["silent", "wedge", "crash", "marker", "loading"], required=True)
     p.add_argument("--fake-crash-after", type=float, default=0.5)
+    p.add_argument("--fake-loading-s", type=float, default=2.0)
+    p.add_argument("--fake-loading-completions", type=int, default=2)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("-np", type=int, default=1)
@@ -120,8 +129,15 @@ def main(argv: list[str]) -> None:
                                   "modalities": {"vision": False},
                                   "default_generation_settings": {"n_ctx": fake_slots.n_ctx}})
 
+    loading_left = [args.fake_loading_completions]  # completions still answered 503 (loading)
+
     async def completion(request):
         body = await request.read()
+        if args.fake_mode == "loading":
+            if loading_left[0] > 0:
+                loading_left[0] -= 1
+                return loading_503()
+            return await answer_or_stall(request, body)
         if args.fake_mode == "silent":
             await fake_slots.take()  # never given back
             await forever.wait()
@@ -170,7 +186,20 @@ def main(argv: list[str]) -> None:
         finally:
             await fake_slots.release(i)
 
-    app = web.Application(middlewares=[key_auth(key)])
+    def loading_503() -> web.Response:
+        return web.json_response({"error": {"code": 503, "message": "Loading model",
+                                            "type": "unavailable_error"}}, status=503)
+
+    t_listen: list[float] = []  # when the app started (it listens from then on)
+
+    @web.middleware
+    async def still_loading(request, handler):  # before the key check, as llama-server's
+        if args.fake_mode == "loading" and (
+                not t_listen or time.monotonic() - t_listen[0] < args.fake_loading_s):
+            return loading_503()
+        return await handler(request)
+
+    app = web.Application(middlewares=[still_loading, key_auth(key)])
     app.add_routes([web.get("/health", health), web.get("/slots", slots),
                     web.get("/lora-adapters", lora_adapters), web.get("/metrics", metrics),
                     web.get("/props", props),
@@ -179,6 +208,7 @@ def main(argv: list[str]) -> None:
                     web.post("/v1/completions", completion)])
 
     async def crash_later(app):
+        t_listen.append(time.monotonic())
         if args.fake_mode == "crash":
             async def later():
                 await asyncio.sleep(args.fake_crash_after)
