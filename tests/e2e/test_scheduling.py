@@ -238,18 +238,19 @@ def test_single_slot_disconnect_then_next_request_runs(gw1):
 
 
 def test_non_streaming_disconnect_frees_slot(gw1):
-    """Field case 7: stream:false, the client closes after 1 s: the worker's slot is idle
-    within 2 s and the gateway's occupancy is back to 0."""
+    """Field case 7, decode: stream:false, the client closes after 1 s: the gateway's
+    occupancy drops at once (within 0.5 s) and the worker's slot is idle within 2 s."""
     w = gw1.workers()[0]
     th, out = _post_in_thread(gw1.url + "/api/generate", {**LONG, "stream": False,
                                                          "options": {"num_predict": 4000}}, 1.0)
     assert wait_until(lambda: any(s.get("is_processing") for s in gw1.slots(w)), 1.0)
+    assert gateway_state(gw1)["workers"][0]["busy"] == 1  # the client is still there
     th.join()
     assert "error" in out
     t_gone = time.monotonic()
+    assert wait_until(lambda: gateway_state(gw1)["workers"][0]["busy"] == 0, 0.5)
     assert wait_until(lambda: not any(s.get("is_processing") for s in gw1.slots(w)), 2.0)
     assert time.monotonic() - t_gone <= 2.0
-    assert gateway_state(gw1)["workers"][0]["busy"] == 0
 
 
 @pytest.fixture(scope="module")
