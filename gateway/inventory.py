@@ -7,6 +7,8 @@ resolve to the same model.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -176,6 +178,10 @@ def capabilities(*, embeddings: bool, template: str, has_fim: bool, vision: bool
     return caps
 
 
+#: Longest wait (s) of ``/api/tags`` / ``/api/ps`` for a model file's hash still being computed.
+DIGEST_WAIT_S = 1.0
+
+
 @dataclass
 class ModelEntry:
     """One served model as the Ollama inventory endpoints show it."""
@@ -188,6 +194,7 @@ class ModelEntry:
     modified_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     embeddings: bool = False
     _digest: str | None = None
+    _digest_job: concurrent.futures.Future | None = None  # the background hash, once started
     worker_template: str | None = None   # chat template a worker reported in /props, if asked
     worker_vision: bool = False          # a worker reported modalities.vision in /props
     last_used_s: float | None = None      # time.time() of the last request (touch)
@@ -217,16 +224,46 @@ class ModelEntry:
                 embeddings=embeddings)
         return e
 
-    @property
-    def digest(self) -> str:
-        """Hex sha256 of the file, computed once (in a background thread at start-up)."""
-        if self._digest is None:
-            self._digest = cached_sha256(self.path)
-        return self._digest
+    async def digest_soon(self, wait_s: float = DIGEST_WAIT_S) -> str:
+        """The ``digest`` that ``/api/tags`` and ``/api/ps`` show: the hex sha256 of the file,
+        hashed once in a background thread (:meth:`compute_digest_in_background`, at start-up
+        and when a reload adds the model; about 1.7 s per GiB on the 2-core development
+        machine, minutes for a 40 GB model). Never hashes on the event loop: it waits at most
+        ``wait_s`` seconds for that thread, then answers :func:`provisional_digest` (stable
+        while the file is unchanged), so a client listing models right after start-up is
+        answered at once and every other request keeps being served. Ollama's own digest is its
+        manifest's sha256: clients treat the value as an opaque id."""
+        job = self.compute_digest_in_background()
+        if job is None:
+            return self._digest
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), wait_s)
+        except (TimeoutError, OSError):  # still hashing, or the file cannot be read now
+            return provisional_digest(self.path)
 
-    def compute_digest_in_background(self) -> None:
-        threading.Thread(target=lambda: self.digest, daemon=True,
-                         name=f"digest-{self.name}").start()
+    def compute_digest_in_background(self) -> concurrent.futures.Future | None:
+        """Start hashing the file in a daemon thread (once; a daemon so that a hash of a large
+        file never holds up the gateway's exit; its result is cached in ``digests.json``).
+        Returns the hash's future (the one already running, if any), None once it is known."""
+        if self._digest is not None:
+            return None
+        if self._digest_job is not None:
+            return self._digest_job
+        job: concurrent.futures.Future = concurrent.futures.Future()
+        self._digest_job = job
+
+        def run() -> None:
+            try:
+                self._digest = cached_sha256(self.path)
+                job.set_result(self._digest)
+            except OSError as e:
+                log.warning("inventory.digest_failed", model=self.name, path=str(self.path),
+                            error=str(e))
+                self._digest_job = None  # a later request tries again
+                job.set_exception(e)
+
+        threading.Thread(target=run, daemon=True, name=f"digest-{self.name}").start()
+        return job
 
     def details(self) -> dict:
         """Ollama's ``details`` of a model, as ``/api/tags``, ``/api/show`` and ``/api/ps`` give
@@ -241,6 +278,17 @@ class ModelEntry:
     def context_length(self) -> int:
         """Trained context of the model (``GGUFFacts.context_length``; 0 unknown)."""
         return self.facts.context_length
+
+
+def provisional_digest(path: Path) -> str:
+    """Hex sha256 of ``path|size|mtime_ns`` (the digest cache's key): the ``digest`` shown while
+    the file's own hash is still being computed; the same for an unchanged file."""
+    try:
+        st = path.stat()
+        key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        key = str(path)
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def _sha256(path: Path) -> str:

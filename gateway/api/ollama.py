@@ -498,9 +498,11 @@ def _dumps(obj) -> str:
 async def tags(request: web.Request) -> web.Response:
     gw = _gw(request)
     models = []
-    for e in visible_entries(request):
+    entries = visible_entries(request)
+    digests = await asyncio.gather(*(e.digest_soon() for e in entries))  # waits overlap
+    for e, digest in zip(entries, digests):
         models.append({"name": e.name, "model": e.name, "modified_at": e.modified_at.isoformat(),
-                       "size": e.size, "digest": e.digest, "details": e.details(),
+                       "size": e.size, "digest": digest, "details": e.details(),
                        "capabilities": await model_capabilities(gw, e)})
     return web.json_response({"models": models}, dumps=_dumps)
 
@@ -517,13 +519,15 @@ async def ps(request: web.Request) -> web.Response:
     """
     gw = _gw(request)
     models = []
-    for e in visible_entries(request):
+    entries = visible_entries(request)
+    digests = await asyncio.gather(*(e.digest_soon() for e in entries))  # waits overlap
+    for e, digest in zip(entries, digests):
         workers = [w for w in gw.fleet.supervisors.values() if w.spec.alias == e.name]
         if not workers:  # no worker planned here, or a reload's that did not start: not loaded
             continue
         gpu_workers = [w for w in workers if w.spec.gpus]
         models.append({
-            "name": e.name, "model": e.name, "size": e.size, "digest": e.digest,
+            "name": e.name, "model": e.name, "size": e.size, "digest": digest,
             "details": e.details(),
             "expires_at": e.expires_at(_STARTED_AT).isoformat(),
             "size_vram": e.size * len(gpu_workers),

@@ -34,8 +34,9 @@ async def pull(request: web.Request) -> web.StreamResponse:
     if entry is None:
         raise ApiError(404, f"pull model manifest: model '{name}' is not configured; "
                             + NOT_SUPPORTED.format(what="pulling new models"))
+    digest = await entry.digest_soon()
     steps = [{"status": "pulling manifest"},
-             {"status": f"pulling {entry.digest[:12]}", "digest": f"sha256:{entry.digest}",
+             {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}",
               "total": entry.size, "completed": entry.size},
              {"status": "verifying sha256 digest"}, {"status": "writing manifest"},
              {"status": "success"}]

@@ -334,3 +334,55 @@ def test_langchain_chat_ollama(gw):
     assert "".join(c.content for c in chunks) and len(chunks) >= 2
     assert [c.response_metadata.get("done_reason") for c in chunks
             if c.response_metadata.get("done_reason")] == ["length"]
+
+
+def test_first_tags_of_a_large_model_does_not_stall_the_gateway(tmp_path, gateway_factory):
+    """A fresh tester's find: ``/api/tags`` right after start-up hashed a large model file on
+    the event loop, so a 1 GiB model froze every request (and systemd's watchdog pings) for
+    1.7 s, a 40 GB one for minutes. The model here is the demo GGUF padded to 2 GiB (sparse;
+    llama-server reads only its tensors): its hash takes seconds, the first ``/api/tags`` answers
+    within about a second with a provisional digest while ``GET /`` keeps answering, and once the
+    hash is done ``/api/tags`` shows the file's own sha256."""
+    import hashlib
+    import shutil
+    import threading
+
+    from workers.demo_model import ensure_demo_model
+
+    big = tmp_path / "big.gguf"
+    shutil.copyfile(ensure_demo_model(), big)
+    with open(big, "r+b") as f:
+        f.truncate(2 << 30)
+    cfg = base_config(free_port(), models=[{"name": "big", "path": str(big), "slots": 1,
+                                            "context": 512, "cpu": 1}])
+    gw = gateway_factory(cfg, wait=False)
+    worst = [0.0]
+    stop = threading.Event()
+
+    def poll_root():
+        while not stop.is_set():
+            t = time.monotonic()
+            httpx.get(gw.url + "/", timeout=30)
+            worst[0] = max(worst[0], time.monotonic() - t)
+            time.sleep(0.02)
+
+    th = threading.Thread(target=poll_root)
+    th.start()
+    try:
+        t0 = time.monotonic()
+        first = httpx.get(gw.url + "/api/tags", timeout=30).json()["models"][0]
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        th.join()
+    assert took < 1.8 and worst[0] < 0.5, (took, worst[0])
+    with open(big, "rb") as f:
+        want = hashlib.file_digest(f, "sha256").hexdigest()
+    assert first["digest"] != want and len(first["digest"]) == 64  # provisional: still hashing
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        digest = httpx.get(gw.url + "/api/tags", timeout=30).json()["models"][0]["digest"]
+        if digest == want:
+            break
+        time.sleep(0.5)
+    assert digest == want
