@@ -71,6 +71,7 @@ class Gateway:
         self.inference_in_flight = 0
         self.draining = False  # True once shutdown began: new requests get 503
         self.notifier = notifier or Notifier()
+        self.ready_sent = False  # systemd READY=1 of the start-up was sent (_watch)
         self.metrics = GatewayMetrics(self)
         self.worker_stats = WorkerStatsView(self._last_sample)
         self.reloader = Reloader(self, config_path)
@@ -181,26 +182,37 @@ class Gateway:
         return fleet_status(self.worker_states())
 
     async def _watch(self) -> None:
-        """systemd READY=1 once every worker is ready or has given up (``failed``, a crash
-        loop: waiting for it held READY until systemd's ``TimeoutStartSec`` killed the gateway,
-        healthy models included, and ``Restart=on-failure`` began again; a fresh tester's
-        find); STATUS= on every change; worker failures into the recent-errors list."""
+        """systemd READY=1 once every worker is ready or has ended its first start attempt
+        (crashed, or not ready within ``startup_timeout_s``; it goes on restarting in the
+        background, and its model's requests wait or get 503 meanwhile). Waiting for a crash
+        loop to end held READY for ``crash_loop_restarts`` × ``startup_timeout_s`` (about 15
+        min for a worker that hangs while it loads) until systemd's ``TimeoutStartSec`` killed
+        the gateway, healthy models included (fresh testers' finds). Until READY, the start
+        timeout is extended (``EXTEND_TIMEOUT_USEC``) every 20 s while a first attempt runs, so a
+        model whose load takes longer than ``TimeoutStartSec`` (but not ``startup_timeout_s``)
+        is not killed. STATUS= on every change (none once the gateway stops); worker failures
+        into the recent-errors list."""
         details: dict[str, str] = {}
-        sent_ready = False
-        while True:
+        extended = time.monotonic()
+        while not self.stopping.is_set():
             self.notifier.status(self.fleet_status())
             sups = list(self.fleet.supervisors.values()) if self.fleet else []
             for s in sups:
                 if s.state == "backoff" and s.detail and details.get(s.id) != s.detail:
                     self.metrics.errors.add(s.id, s.detail)
                 details[s.id] = s.detail
-            # every worker ready; with none planned (no GPU, cpu_fallback 0) at once, so that
-            # systemd's start does not time out on a gateway that answers every request 503
-            if not sent_ready and all(s.ready or s.state == "failed" for s in sups):
-                sent_ready = True
-                log.info("gateway.ready", workers=len(sups),
-                         failed=[s.id for s in sups if not s.ready])
-                self.notifier.ready(self.fleet_status())
+            # every worker ready or past its first try; with none planned (no GPU,
+            # cpu_fallback 0) at once, so that systemd's start does not time out on a gateway
+            # that answers every request 503
+            if not self.ready_sent:
+                if all(s.ready or s.state == "failed" or s.restarts > 0 for s in sups):
+                    self.ready_sent = True
+                    log.info("gateway.ready", workers=len(sups),
+                             failed=[s.id for s in sups if not s.ready])
+                    self.notifier.ready(self.fleet_status())
+                elif time.monotonic() - extended >= 20.0:
+                    extended = time.monotonic()
+                    self.notifier.extend_start(60.0)
             await asyncio.sleep(0.2)
 
     async def start(self) -> None:
@@ -212,9 +224,12 @@ class Gateway:
         if port == 0:  # the port the system picked: a run directory of its own (with "_0" every
             # port-0 gateway reaped the others' workers at start; a fresh tester's find)
             port = self._socks[0].getsockname()[1]
+        self.notifier.start_watchdog()  # pings from the event loop, a build included
         try:
-            binary = await asyncio.to_thread(ensure_llama_server, ls.binary,
-                                             None if ls.backend == "auto" else ls.backend)
+            binary = await self.notifier.extending(
+                asyncio.to_thread(ensure_llama_server, ls.binary,
+                                  None if ls.backend == "auto" else ls.backend),
+                "finding or building llama-server")
         except ProvisionError as e:
             raise ConfigError(f"llama_server.binary: {e}", cfg.source) from None
         models = await self.load_models(cfg)
@@ -258,7 +273,6 @@ class Gateway:
                  workers=[p.id for p in plans], binary=str(binary))
         self.fleet.start()
         self._tasks.append(asyncio.create_task(self._watch(), name="gateway-watch"))
-        self.notifier.start_watchdog()
 
     async def stop(self) -> None:
         log.info("gateway.stopping")

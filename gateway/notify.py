@@ -4,7 +4,11 @@ systemd's ``Type=notify`` services send newline-separated ``KEY=VALUE`` datagram
 AF_UNIX datagram socket named in ``$NOTIFY_SOCKET`` (a path, or ``@name`` for the abstract
 namespace). Keys used here (man sd_notify(3)):
 
-* ``READY=1``: start-up finished (sent once every worker is healthy);
+* ``READY=1``: start-up finished (sent once every worker is ready or has ended its first start
+  attempt);
+* ``EXTEND_TIMEOUT_USEC=<µs>``: start-up is still making progress (a llama-server build, a
+  worker's first model load): systemd (≥ 236) then waits that much longer than
+  ``TimeoutStartSec`` from now;
 * ``RELOADING=1`` + ``MONOTONIC_USEC=<CLOCK_MONOTONIC µs>``: a reload began; ``READY=1`` ends it;
 * ``STOPPING=1``: shutdown began;
 * ``STATUS=<text>``: one line shown by ``systemctl status``;
@@ -75,6 +79,25 @@ class Notifier:
             fields["STATUS"] = status
             self._last_status = status
         self.send(**fields)
+
+    def extend_start(self, by_s: float) -> None:
+        """``EXTEND_TIMEOUT_USEC``: start-up may take ``by_s`` seconds more from now."""
+        self.send(EXTEND_TIMEOUT_USEC=int(by_s * 1e6))
+
+    async def extending(self, aw, status: str, every_s: float = 20.0, by_s: float = 60.0):
+        """Await ``aw`` while telling systemd that start-up goes on (``STATUS=status``, and
+        ``EXTEND_TIMEOUT_USEC`` of ``by_s`` s every ``every_s`` s); returns its result."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=every_s)
+                if done:
+                    return task.result()
+                self.status(status)
+                self.extend_start(by_s)
+        finally:
+            if not task.done():
+                task.cancel()
 
     def reloading(self) -> None:
         self.send(RELOADING=1, MONOTONIC_USEC=time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000)

@@ -145,11 +145,16 @@ class Reloader:
     async def reload(self) -> ReloadResult:
         async with self._lock:
             gw = self.gw
-            gw.notifier.reloading()
+            # RELOADING=1 … READY=1 only once start-up's READY=1 was sent: a READY=1 before it
+            # told systemd the service was up while no worker was (a fresh tester's find)
+            told = gw.ready_sent
+            if told:
+                gw.notifier.reloading()
             try:
                 res = await self._reload()
             finally:
-                gw.notifier.ready(gw.fleet_status())
+                if told:
+                    gw.notifier.ready(gw.fleet_status())
             gw.metrics.reloads.labels("ok" if res.ok else "rolled_back" if res.rolled_back
                                       else "rejected").inc()
             return res

@@ -61,3 +61,28 @@ def test_send_failure_is_not_raised(tmp_path):
 def test_fleet_status():
     assert fleet_status({"a": "ready", "b": "starting"}) == "1/2 workers ready; b: starting"
     assert fleet_status({"a": "ready"}) == "1/1 workers ready"
+
+
+async def test_extending_tells_systemd_while_a_long_start_step_runs(tmp_path):
+    """A llama-server build before READY=1 can outlast the unit's TimeoutStartSec: while it runs
+    the start timeout is extended (EXTEND_TIMEOUT_USEC, systemd >= 236) with a STATUS line."""
+    s = _sock(tmp_path)
+    n = Notifier({"NOTIFY_SOCKET": str(tmp_path / "n.sock")})
+
+    async def step():
+        await asyncio.sleep(0.35)
+        return "built"
+
+    assert await n.extending(step(), "building llama-server", every_s=0.1, by_s=60) == "built"
+    got = []
+    s.settimeout(0.1)
+    try:
+        while True:
+            got.append(s.recv(4096).decode())
+    except socket.timeout:
+        pass
+    assert got[0] == "STATUS=building llama-server"  # once: unchanged status lines are not resent
+    extends = [m for m in got if m == "EXTEND_TIMEOUT_USEC=60000000"]
+    assert len(extends) >= 2 and len(got) == 1 + len(extends), got  # every 0.1 s of 0.35 s
+    assert await n.extending(asyncio.sleep(0, "quick"), "x", every_s=0.1) == "quick"
+    n.close()

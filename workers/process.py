@@ -60,6 +60,9 @@ VERBOSITY_FLAGS = frozenset({"-lv", "--verbosity", "--log-verbosity",
 and its aliases; ``-v`` and its aliases for every message). Its parser takes an option's value
 as the next argument only (no ``--opt=value``)."""
 
+#: systemd's variables for the service's main process (sd_notify(3)): not passed to workers.
+SD_NOTIFY_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"})
+
 IDLE_SLOTS_ENV = "LLAMA_ARG_CACHE_IDLE_SLOTS"
 """Workers run with ``--no-cache-idle-slots``, given as this environment variable (pinned
 build, common/arg.cpp: read before the command line, so an operator's ``--cache-idle-slots``
@@ -162,14 +165,15 @@ class LaunchSpec:
         return args + list(self.extra_args)
 
     def env(self, api_key: str) -> dict[str, str]:
-        """The worker's environment: the gateway's, plus ``CUDA_VISIBLE_DEVICES`` (with
+        """The worker's environment: the gateway's (less systemd's :data:`SD_NOTIFY_ENV`, which
+        are the gateway's own, as sd_notify(3) advises), plus ``CUDA_VISIBLE_DEVICES`` (with
         ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so the indices are NVML's), the per-start
         key, the binary's library folder, and ``LLAMA_ARG_CACHE_IDLE_SLOTS=0`` (see
         :data:`IDLE_SLOTS_ENV`), for a CPU worker ``LLAMA_ARG_FLASH_ATTN=off`` (see
         :data:`FLASH_ATTN_ENV`; not when ``extra_args`` hold one of
         :data:`FLASH_ATTN_FLAGS`) and the log verbosity (:data:`LOG_VERBOSITY_ENV`) unless the
         environment already sets them (or, for the verbosity, ``extra_args`` do)."""
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in SD_NOTIFY_ENV}
         env.setdefault(IDLE_SLOTS_ENV, "0")
         if not self.gpus and CACHE_TYPE_V_ENV not in env and not any(
                 a in FLASH_ATTN_FLAGS for a in self.extra_args):

@@ -91,15 +91,103 @@ def test_notify_ready_after_workers_healthy_then_watchdog(tmp_path):
         sock.close()
 
 
-def test_notify_ready_with_one_model_whose_worker_gives_up(tmp_path):
-    """One model fine, one whose worker llama-server refuses to start (crash loop, ``failed``):
-    READY=1 comes once the failed one has given up. It never came, so under the shipped unit
-    (Type=notify, TimeoutStartSec) systemd killed the whole gateway, the healthy model's
-    serving included, and restarted it in a loop (a fresh tester's find)."""
+def _recv_until_ready(sock, gw, timeout_s: float = 60) -> tuple[list[str], dict | None]:
+    """Datagrams until READY=1 (that one included) and the workers' states then."""
+    msgs: list[str] = []
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            data = sock.recv(4096).decode()
+        except socket.timeout:
+            continue
+        msgs.append(data)
+        if "READY=1" in data.split("\n"):
+            return msgs, {w["id"]: w for w in gw.workers()}
+    return msgs, None
+
+
+def _notify_socket(tmp_path):
     sock_path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(sock_path))
     sock.settimeout(0.2)
+    return sock, sock_path
+
+
+def test_notify_ready_once_a_hanging_worker_ended_its_first_try(tmp_path):
+    """A worker that hangs while it loads (never answers ``/health``) held READY=1 until its
+    crash loop ended: ``crash_loop_restarts`` × ``startup_timeout_s``, about 15 min with the
+    defaults, while the unit's ``TimeoutStartSec`` is 5 min (a fresh tester's find). READY=1 now
+    comes once every worker is ready or has ended its first try; the hanging one goes on being
+    restarted. Its binary is a FAKE wrapper that sleeps forever for the model ``hang``."""
+    real = ensure_llama_server()
+    wrapper = tmp_path / "hang-or-run"
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *hang:latest*) exec sleep 1000;; esac\n'
+                       f'exec "{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    sock, sock_path = _notify_socket(tmp_path)
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(wrapper), "threads": 1, "startup_timeout_s": 3,
+        "restart_backoff_initial_s": 0.2, "crash_loop_restarts": 3},
+        models=[{"name": "demo", "path": "builtin:demo", "slots": 1, "context": 512, "cpu": 1},
+                {"name": "hang", "path": "builtin:demo", "slots": 1, "context": 512, "cpu": 1}])
+    t0 = time.monotonic()
+    gw = start_gateway(tmp_path, cfg, wait=False, env={"NOTIFY_SOCKET": str(sock_path)})
+    try:
+        msgs, ws = _recv_until_ready(sock, gw)
+        took = time.monotonic() - t0
+        assert ws is not None, msgs
+        assert ws["demo-cpu0"]["state"] == "ready"
+        hang = ws["hang-cpu0"]
+        assert hang["state"] != "failed" and hang["restarts"] >= 1, hang  # after its 1st try
+        assert 3 <= took < 9, took  # the crash loop would end after 3 tries of 3 s
+        _ready_names_and_serves(gw, "hang-cpu0")
+    finally:
+        assert gw.stop() == 0
+        sock.close()
+
+
+def test_a_reload_during_start_up_sends_no_ready(tmp_path):
+    """A reload (SIGHUP, the admin API) while the workers still load ended with READY=1, so
+    systemd took the service as started while no worker was (a fresh tester's find). Workers
+    start through a deliberately slow wrapper (2 s); the reload comes 1 s after the start.
+    Workers do not inherit systemd's NOTIFY_SOCKET (sd_notify(3))."""
+    wrapper, _ = slow_start_binary(tmp_path, str(ensure_llama_server()), 2, last=2)
+    sock, sock_path = _notify_socket(tmp_path)
+    cfg = base_config(free_port(), llama_server={"binary": str(wrapper), "threads": 1})
+    gw = start_gateway(tmp_path, cfg, wait=False, env={"NOTIFY_SOCKET": str(sock_path)})
+    try:
+        end = time.monotonic() + 30
+        while "gateway.listening" not in gw.log_path.read_text() and time.monotonic() < end:
+            time.sleep(0.05)
+        gw.proc.send_signal(1)  # SIGHUP: reload the same file
+        msgs, ws = _recv_until_ready(sock, gw)
+        assert ws is not None and {w["state"] for w in ws.values()} == {"ready"}, msgs
+        assert "config.reloaded" in gw.log_path.read_text()  # the reload ran meanwhile
+        assert not any(m.startswith("RELOADING=1") for m in msgs), msgs
+        for w in ws.values():
+            env = Path(f"/proc/{w['pid']}/environ").read_bytes().split(b"\0")
+            assert not any(kv.startswith(b"NOTIFY_SOCKET=") for kv in env)
+        gw.proc.send_signal(1)  # after READY=1: RELOADING=1 then READY=1, as before
+        got: list[str] = []
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not any("READY=1" in m.split("\n") for m in got):
+            try:
+                got.append(sock.recv(4096).decode())
+            except socket.timeout:
+                pass
+        assert any(m.startswith("RELOADING=1") for m in got), got
+    finally:
+        assert gw.stop() == 0
+        sock.close()
+
+
+def test_notify_ready_with_one_model_whose_worker_gives_up(tmp_path):
+    """One model fine, one whose worker llama-server refuses to start (a crash loop):
+    READY=1 comes once the broken one has ended its first try. It never came, so under the
+    shipped unit (Type=notify, TimeoutStartSec) systemd killed the whole gateway, the healthy
+    model's serving included, and restarted it in a loop (a fresh tester's find)."""
+    sock, sock_path = _notify_socket(tmp_path)
     cfg = base_config(free_port(), llama_server={"threads": 1, "restart_backoff_initial_s": 0.2,
                                                  "restart_backoff_max_s": 0.5,
                                                  "crash_loop_restarts": 3},
@@ -109,26 +197,24 @@ def test_notify_ready_with_one_model_whose_worker_gives_up(tmp_path):
                                "context": 512, "cpu": 1, "args": ["--bogus"]}])
     gw = start_gateway(tmp_path, cfg, wait=False, env={"NOTIFY_SOCKET": str(sock_path)})
     try:
-        ready = None
-        end = time.monotonic() + 60
-        while time.monotonic() < end and ready is None:
-            try:
-                data = sock.recv(4096).decode()
-            except socket.timeout:
-                continue
-            if "READY=1" in data.split("\n"):
-                ready = {w["id"]: w["state"] for w in gw.workers()}
-        assert ready == {"demo-cpu0": "ready", "broken-cpu0": "failed"}, ready
-        log = gw.log_path.read_text()
-        line = next(json.loads(x) for x in log.splitlines() if '"gateway.ready"' in x)
-        assert line["failed"] == ["broken-cpu0"] and line["workers"] == 2
-        r = httpx.post(gw.url + "/api/generate", timeout=30, json={
-            "model": "demo", "prompt": "x", "raw": True, "stream": False,
-            "options": {"num_predict": 2}})
-        assert r.status_code == 200
+        msgs, ws = _recv_until_ready(sock, gw)
+        assert ws is not None, msgs
+        assert ws["demo-cpu0"]["state"] == "ready" and ws["broken-cpu0"]["state"] != "ready", ws
+        _ready_names_and_serves(gw, "broken-cpu0")
     finally:
         assert gw.stop() == 0
         sock.close()
+
+
+def _ready_names_and_serves(gw, failed: str) -> None:
+    """``gateway.ready`` names ``failed`` (of 2 workers) and the model ``demo`` serves."""
+    log = gw.log_path.read_text()
+    line = next(json.loads(x) for x in log.splitlines() if '"gateway.ready"' in x)
+    assert line["failed"] == [failed] and line["workers"] == 2
+    r = httpx.post(gw.url + "/api/generate", timeout=30, json={
+        "model": "demo", "prompt": "x", "raw": True, "stream": False,
+        "options": {"num_predict": 2}})
+    assert r.status_code == 200
 
 
 def test_metrics_count_requests_and_tokens(gateway):
