@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -243,6 +244,13 @@ class Gateway:
                               f"{e.strerror or e}", cfg.source) from None
         for pid in reap_stale_workers(state_dir):
             log.warning("gateway.stale_worker_reaped", pid=pid)
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+            # NVML, which plans the workers, ignores it, and every worker gets its own: an
+            # operator who set it to keep GPUs for something else would have been ignored
+            # without a word (a fresh tester's find)
+            log.warning("gateway.cuda_visible_devices_ignored",
+                        value=os.environ["CUDA_VISIBLE_DEVICES"],
+                        hint="choose GPUs per model with models[].gpus in the config")
         plans = self.plans = plan_workers(cfg, detect_gpus())
         for model in models_without_workers(cfg, plans):
             log.warning("gateway.model_without_workers", model=model, reason=no_workers(model))

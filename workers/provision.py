@@ -173,10 +173,26 @@ def find_llama_server(configured: str | None = None, backend: str | None = None)
         log.debug("llama_server.found", path=which, source="path")
         return Path(which)
     cached = cached_binary_path(backend or detect_backend())
-    if cached.is_file() and os.access(cached, os.X_OK):
+    try:
+        found = cached.is_file() and os.access(cached, os.X_OK)
+    except PermissionError:  # a build made by another user (root) in a shared cache
+        raise ProvisionError(
+            f"cannot look at the cached llama-server {cached} (permission denied for user "
+            f"{_user()}); give this user the cache, e.g. chown -R it, or set "
+            "$LLAMA_GATEWAY_CACHE to a directory of its own") from None
+    if found:
         log.debug("llama_server.found", path=str(cached), source="cache")
         return cached
     return None
+
+
+def _user() -> str:
+    """This process's user name (its uid when it has none)."""
+    try:
+        import pwd
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (KeyError, ImportError):
+        return str(os.getuid())
 
 
 def ensure_llama_server(

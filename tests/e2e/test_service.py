@@ -182,6 +182,21 @@ def test_a_reload_during_start_up_sends_no_ready(tmp_path):
         sock.close()
 
 
+def test_cuda_visible_devices_for_the_gateway_is_said_to_be_ignored(tmp_path):
+    """GPUs are chosen with ``models[].gpus``: NVML ignores CUDA_VISIBLE_DEVICES and each worker
+    gets its own, so an operator's setting for the whole service would be dropped without a
+    word (a fresh tester's find); the gateway says so in its log, and its CPU workers run."""
+    cfg = base_config(free_port())
+    gw = start_gateway(tmp_path, cfg, env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    try:
+        events = [json.loads(x) for x in gw.log_path.read_text().splitlines() if x.startswith("{")]
+        (warn,) = [e for e in events if e["event"] == "gateway.cuda_visible_devices_ignored"]
+        assert warn["value"] == "2,3" and "models[].gpus" in warn["hint"]
+        assert [w["state"] for w in gw.workers()] == ["ready", "ready"]
+    finally:
+        assert gw.stop() == 0
+
+
 def test_notify_ready_with_one_model_whose_worker_gives_up(tmp_path):
     """One model fine, one whose worker llama-server refuses to start (a crash loop):
     READY=1 comes once the broken one has ended its first try. It never came, so under the

@@ -99,6 +99,60 @@ def test_cache_lookup_uses_backend(isolated):
     assert find_llama_server(backend="cuda") == fake_cuda
 
 
+def test_a_cache_of_another_user_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch):
+    """A build that root made (mode 0700) in a cache the service user was then given: looking
+    for the cached binary raised PermissionError, a traceback out of ``serve``,
+    ``check-config`` and ``install-llama-server`` (a fresh tester's find). As root, the lookup
+    runs in a forked child that has become ``nobody``."""
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="lgw-perm-"))
+    try:
+        top.chmod(0o755)
+        monkeypatch.setenv("LLAMA_GATEWAY_CACHE", str(top / "cache"))
+        monkeypatch.delenv("LLAMA_SERVER", raising=False)
+        monkeypatch.setenv("PATH", str(tmp_path))
+        exe = make_fake_exe(cached_binary_path("cpu"))
+        for d in (top / "cache", exe.parents[2]):
+            d.chmod(0o755)
+        exe.parents[1].chmod(0o700)  # the build's own folder: its owner's only
+        if os.getuid() != 0:
+            exe.parents[1].chmod(0o000)
+            with pytest.raises(ProvisionError) as e:
+                find_llama_server(backend="cpu")
+            msg = str(e.value)
+        else:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: nobody, as a service user without access
+                os.close(r)
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    try:
+                        find_llama_server(backend="cpu")
+                        out = b"no error"
+                    except ProvisionError as err:
+                        out = b"ProvisionError: " + str(err).encode()
+                    except BaseException as err:  # noqa: BLE001 - reported to the parent
+                        out = f"{type(err).__name__}: {err}".encode()
+                    os.write(w, out)
+                finally:
+                    os._exit(0)
+            os.close(w)
+            out = b""
+            while chunk := os.read(r, 65536):
+                out += chunk
+            os.waitpid(pid, 0)
+            assert out.startswith(b"ProvisionError: "), out
+            msg = out.decode()
+        assert f"cannot look at the cached llama-server {exe}" in msg and "chown" in msg, msg
+    finally:
+        for d in (top / "cache" / "llama-server").glob("*"):
+            d.chmod(0o755)
+        import shutil
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def test_configured_path_missing_raises(isolated):
     make_fake_exe(isolated / "pathbin" / "llama-server")  # must not be used as a fallback
     missing = isolated / "nope" / "llama-server"
