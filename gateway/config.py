@@ -231,6 +231,10 @@ def _v_str_list(v: object) -> list[str]:
             out.append(item)
         elif _is_number(item):
             out.append(str(item))
+        elif isinstance(item, bool):  # YAML 1.1 reads on/off/yes/no/true/false unquoted so
+            errs.append(((i,), f"expected a string, got {_got(item)} (YAML reads an unquoted "
+                               f"on, off, yes, no, true or false as a boolean: quote it, "
+                               f"e.g. \"on\")"))
         else:
             errs.append(((i,), f"expected a string, got {_got(item)}"))
     if errs:

@@ -162,7 +162,10 @@ def test_other_type_errors():
         'log.level: expected one of "debug", "info", "warning", "error", got "loud"'
     ]
     assert errors_of(base(embeddings="yes")) == ['models[0].embeddings: expected true or false, got "yes"']
-    assert errors_of(base(args=["-c", True])) == ["models[0].args[1]: expected a string, got true"]
+    assert errors_of(base(args=["-c", True])) == [
+        'models[0].args[1]: expected a string, got true (YAML reads an unquoted on, off, yes, no, '
+        'true or false as a boolean: quote it, e.g. "on")']
+    assert errors_of(base(args=["-c", None])) == ["models[0].args[1]: expected a string, got null"]
     assert parse_config(base(args=["-c", 4096])).models[0].args == ["-c", "4096"]
     assert errors_of({"models": ["demo"]}) == ['models[0]: expected a mapping, got "demo"']
     assert errors_of(base(name="bad name")) == [
