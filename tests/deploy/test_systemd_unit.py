@@ -95,3 +95,37 @@ def test_install_script_parses_and_refuses_unknown_options():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     r = subprocess.run(["bash", str(script), "--bogus"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown option --bogus" in r.stderr
+
+
+def test_device_allow_names_both_driver_generations():
+    # /proc/devices names major 195 `nvidia-frontend` before driver 545/550 and `nvidia` +
+    # `nvidiactl` since; a name not there allows nothing (systemd skips it), so with only the
+    # old name the service saw no GPU on a current driver (tester H, F8)
+    allowed = {v.split()[0] for v in _directives(UNIT.read_text())["DeviceAllow"]}
+    assert {"char-nvidia", "char-nvidiactl", "char-nvidia-frontend", "char-nvidia-uvm",
+            "char-nvidia-modeset", "char-nvidia-caps"} <= allowed
+    assert all(v.split()[1] == "rw" for v in _directives(UNIT.read_text())["DeviceAllow"])
+
+
+def test_invalid_config_is_not_restarted_and_start_timeout_covers_a_worker_start():
+    text = UNIT.read_text()
+    d = _directives(text)
+    # the gateway exits 2 for an invalid config (gateway/cli.py); restarting every 5 s cannot help
+    assert d["RestartPreventExitStatus"] == ["2"]
+    from gateway.cli import main
+    bad = ROOT / "tests" / "deploy" / "no-such-config.yaml"
+    assert main(["check-config", "-c", str(bad)]) == 2
+    cfg = parse_config({"models": [{"name": "demo", "path": "builtin:demo"}]})
+    assert int(d["TimeoutStartSec"][0]) > cfg.llama_server.startup_timeout_s
+    before = text.split("\nTimeoutStartSec=")[0].rsplit("\n\n", 1)[-1]
+    assert "startup_timeout_s" in before.rsplit("KillSignal=", 1)[-1]  # said next to it
+
+
+def test_unit_and_env_file_say_what_they_should():
+    text = UNIT.read_text()
+    # after install.sh --no-build, the build before the first start (not within TimeoutStartSec)
+    assert "install-llama-server" in text and "--no-build" in text
+    env = (ROOT / "deploy" / "llama-gateway.env").read_text()
+    # the gateway sets each worker's CUDA_VISIBLE_DEVICES itself and counts GPUs through NVML
+    assert not re.search(r"^#?\s*CUDA_VISIBLE_DEVICES=", env, flags=re.M)
+    assert "gpus:" in env and "ignored" in env
