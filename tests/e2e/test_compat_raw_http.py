@@ -52,16 +52,18 @@ def nginx_url(gw, tmp_path_factory):
 
 
 def _stream_lines(url: str, path: str, body: dict):
-    """POST and read the body as it arrives: (response, [(seconds since start, raw line)])."""
+    """POST and read the body as it arrives: (response, [(seconds since start, raw line)]),
+    each line timed by the network read that completed it (the lines of one read share it)."""
     t0 = time.monotonic()
     out = []
     with httpx.stream("POST", url + path, json=body, timeout=60) as r:
         buf = b""
         for chunk in r.iter_raw():
+            t = time.monotonic() - t0
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                out.append((time.monotonic() - t0, line + b"\n"))
+                out.append((t, line + b"\n"))
         assert buf == b"", "stream did not end with a newline"
     return r, out
 
@@ -94,12 +96,15 @@ def _check_incremental(url: str, via_nginx: bool = False):
     assert r.headers["content-type"] == "application/x-ndjson"
     first, last = lines[0][0], lines[-1][0]
     # Tokens arrive as generated: the first line long before the last, spread over many reads.
-    # A buffering proxy sends them in 4-8 KB pieces of about 40 lines: through nginx told to
-    # ignore X-Accel-Buffering, 65 distinct arrival times for about 2,580 lines, against 1,780
-    # unbuffered (a check of "> 20" passed that buffered stream too; a fresh tester's find).
+    # A buffering proxy sends them in 4-8 KB pieces of about 40 lines (a check of "> 20"
+    # distinct times passed such a stream too; a fresh tester's find).
     assert first < 0.5 * last
-    arrivals = len({round(t, 3) for t, _ in lines})
-    assert arrivals > len(lines) / 5, (arrivals, len(lines))
+    # Lines arrive spread over reads: 0.65-0.92 reads per line seen here (through nginx too),
+    # about one per event straight from llama-server. A relay that held lines until 3 or 4 were
+    # waiting gives at most 1/3 (a fresh tester's break of the relay passed the old bound of
+    # 1/5); nginx told to ignore X-Accel-Buffering gave 65 reads for about 2,580 lines.
+    arrivals = len({t for t, _ in lines})  # network reads that brought lines
+    assert arrivals > len(lines) / 3, (arrivals, len(lines))
 
 
 def test_case19_streams_not_buffered_direct(gw):
