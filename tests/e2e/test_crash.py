@@ -20,26 +20,33 @@ pytestmark = pytest.mark.slow
 
 def test_crash_mid_request_errors_streams_and_queued_run_elsewhere(gateway_factory):
     """Case 16: SIGKILL a worker streaming 2 requests while 3 more wait: the 2 end with an
-    error line, the other 5 complete, the worker restarts with backoff and its crash is
-    counted."""
-    cfg = base_config(free_port())
+    error line, the 3 queued run on the other worker (the crashed one stays down for its 12 s
+    restart backoff, longer than the other worker's streams), all 5 complete, the crashed worker
+    restarts after its backoff and its crash is counted."""
+    cfg = base_config(free_port(), llama_server={"threads": 1, "restart_backoff_initial_s": 12})
     cfg["models"][0]["context"] = 8192
     gw = gateway_factory(cfg)
-    body = {"model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 6000}}
+    body = {"model": "demo", "prompt": "a", "raw": True, "options": {"num_predict": 1500}}
     with cf.ThreadPoolExecutor(7) as ex:
         futs = [ex.submit(stream_lines, gw.url + "/api/generate", body, 120) for _ in range(4)]
         st = wait_for(lambda: (s := gw.status()) and all(w["busy"] == 2 for w in s["workers"]) and s,
                       30, "4 streams running")
-        futs += [ex.submit(stream_lines, gw.url + "/api/generate", body, 120) for _ in range(3)]
+        futs += [ex.submit(stream_lines, gw.url + "/api/generate",
+                           {**body, "options": {"num_predict": 50}}, 120) for _ in range(3)]
         wait_for(lambda: gw.status()["queue"]["depth"] == 3, 10, "3 queued")
         victim = st["workers"][0]
+        other = st["workers"][1]["id"]
         os.kill(victim["pid"], signal.SIGKILL)
+        t_kill = time.monotonic()
         results = [f.result(timeout=120) for f in futs]
+        all_done = time.monotonic() - t_kill
     errors = [lines[-1] for status, lines in results if "error" in lines[-1]]
     done = [lines[-1] for status, lines in results if lines[-1].get("done") is True]
     assert len(errors) == 2 and len(done) == 5, [r[1][-1] for r in results]
     assert all(status == 200 for status, _ in results)
     assert all(d["done_reason"] == "length" for d in done)
+    assert sorted(d["eval_count"] for d in done) == [50, 50, 50, 1500, 1500]
+    assert all_done < 12, all_done  # the 3 did not wait for the restart
     w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == victim["id"]
                                and x["state"] == "ready"), None), 60, "restart")
     assert w["crashes"] == 1 and w["restarts"] == 1 and w["pid"] != victim["pid"]
@@ -64,10 +71,12 @@ def test_crash_mid_request_errors_streams_and_queued_run_elsewhere(gateway_facto
     assert (f'llama_gateway_worker_crashes_total{{gpu="cpu",model="demo:latest",'
             f'worker="{victim["id"]}"}} 1.0') in metrics, \
         [m for m in metrics.splitlines() if "crashes" in m]
-    # the 3 queued requests ran (each request.done names the worker that served it)
+    # the 3 queued requests ran on the other worker (each request.done names the worker that
+    # served it), as did its own 2 streams
     served = [e for e in events if e["event"] == "request.done" and not e.get("cut")
               and e.get("path") == "/api/generate"]
-    assert len(served) == 5 and all(e["status"] == 200 and e.get("worker") for e in served), served
+    assert len(served) == 5 and all(e["status"] == 200 for e in served), served
+    assert [e["worker"] for e in served] == [other] * 5, served
 
 
 def test_crash_loop_marks_worker_failed_then_retries(tmp_path, gateway_factory):
