@@ -90,7 +90,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 started.append(await start_stream(request, "text/event-stream"))
             await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt),
                                 legacy.events if legacy is not None else convert,
-                                chat=required == "messages" and convert is None)
+                                chat=per_prompt if required == "messages" and convert is None
+                                else 0)
             out = started[0]
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         err = admission_error(e, gw.config.queue.retry_after_s)
@@ -210,7 +211,7 @@ def _sse(obj) -> bytes:
 
 async def _relay_stream(request: web.Request, resp, started: list,
                         include_usage: bool, usage: UsageSum, convert=None,
-                        chat: bool = False) -> None:
+                        chat: int = 0) -> None:
     """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
     with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
     it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
@@ -229,13 +230,16 @@ async def _relay_stream(request: web.Request, resp, started: list,
     ``convert``: applied to each batch of payloads first (``openai_structured.ChatChunks``, or
     ``openai_legacy.LegacyCompletions.events`` for ``/v1/completions``).
 
-    ``chat``: a chat stream. llama-server puts its first ``{"role": "assistant"}`` delta in the
-    prompt-progress events when there are any (server-task.cpp ``to_json_oaicompat_chat_stream``:
-    ``first || is_progress``), and the gateway drops those events (it asked for them, the client
-    did not), so the first chunk a client saw could lack the role (seen once in a full run); a
-    role chunk is put before a first chunk that has none."""
+    ``chat``: the number of choices of a chat stream (0: not a chat). llama-server sends a
+    choice's ``{"role": "assistant"}`` delta only with its first token's event or in the
+    prompt-progress events (server-task.cpp ``to_json_oaicompat_chat_stream``: ``first ||
+    is_progress``, ``first`` being ``n_decoded == 1``). The gateway drops the progress events (it
+    asked for them, the client did not), and a first token that ends inside a UTF-8 character
+    sends no event at all, so a choice could start without its role (3 of 40 seeds on the demo
+    model; the ``openai`` client's stream helper then builds a message with ``role`` None; a
+    fresh tester's find). A role chunk is put before each choice's first chunk that has none."""
     head: dict | None = None  # the first usage event, less its choices, usage and timings
-    role_due = chat and resp.progress
+    roles_due = set(range(chat))  # choices whose role has not been sent yet
 
     async def write(data: bytes) -> None:
         if not started:
@@ -248,10 +252,17 @@ async def _relay_stream(request: web.Request, resp, started: list,
             batch = convert(batch)
         parts: list[bytes] = []
         for data in batch:
-            if role_due and data != b"null" and b'"error"' not in data:
-                role_due = False
-                if b'"role"' not in data:
-                    parts.append(_sse(_role_chunk(orjson.loads(data))))
+            if roles_due and data != b"null" and b'"error"' not in data:
+                ev = orjson.loads(data)
+                lacking = []
+                for c in ev.get("choices") or ():
+                    i = c.get("index", 0)
+                    if i in roles_due:
+                        roles_due.discard(i)
+                        if "role" not in (c.get("delta") or {}):
+                            lacking.append(i)
+                if lacking:
+                    parts.append(_sse(_role_chunk(ev, lacking)))
             if b'"usage"' not in data and b'"error"' not in data:
                 if data != b"null":
                     parts.append(b"data: " + data + b"\n\n")  # hot path: pass it through
@@ -277,13 +288,14 @@ async def _relay_stream(request: web.Request, resp, started: list,
     await write(last + b"data: [DONE]\n\n")
 
 
-def _role_chunk(ev: dict) -> dict:
+def _role_chunk(ev: dict, indices: list[int]) -> dict:
     """The ``{"role": "assistant", "content": null}`` chunk llama-server starts a chat stream
-    with, for the choices of chunk ``ev`` and with its head (``id``, ``created``, …)."""
+    with, for the choices ``indices`` and with the head (``id``, ``created``, …) of chunk
+    ``ev``."""
     head = {k: v for k, v in ev.items() if k not in ("choices", "usage", "timings")}
-    return {**head, "choices": [{"finish_reason": None, "index": c.get("index", 0),
+    return {**head, "choices": [{"finish_reason": None, "index": i,
                                "delta": {"role": "assistant", "content": None}}
-                              for c in ev.get("choices") or ({"index": 0},)]}
+                              for i in indices]}
 
 
 async def _fold_stream(request: web.Request, resp, fold: OpenAIFold, convert=None) -> dict:
