@@ -25,6 +25,7 @@ from aiohttp import web
 
 from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
+from gateway.api import worker_ints
 from gateway.api.capabilities import model_capabilities, require
 from gateway.api.common import (make_ticket, note_upstream_error, optional, read_json,
                                 start_stream, t0_ns, visible_entries)
@@ -225,6 +226,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     part of it (:func:`_unecho`).
     """
     gw = _gw(request)
+    worker_ints.bound(upstream_body, gw.context_per_slot(entry.name))
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s,
                          body=upstream_body)

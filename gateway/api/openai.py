@@ -23,7 +23,7 @@ from aiohttp import web
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.common import (make_ticket, note_upstream_error, read_json, start_stream,
                                 visible_entries)
-from gateway.api import openai_checks, openai_structured
+from gateway.api import openai_checks, openai_structured, worker_ints
 from gateway.api.capabilities import model_capabilities
 from gateway.api.errors import (admission_error, model_not_found_v1, openai_error,
                                 openai_error_body, resolve_v1_model, upstream_headers)
@@ -62,6 +62,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         body["stream"] = True
         body["stream_options"] = {**(so or {}), "include_usage": True}
     _bound_max_tokens(gw, body)
+    worker_ints.bound(body, gw.context_per_slot(entry.name))
     entry.touch(None)
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s,

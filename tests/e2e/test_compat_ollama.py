@@ -386,3 +386,27 @@ def test_first_tags_of_a_large_model_does_not_stall_the_gateway(tmp_path, gatewa
             break
         time.sleep(0.5)
     assert digest == want
+
+
+def test_huge_integers_and_penalty_windows_do_not_harm_the_worker(gw):
+    """A fresh tester's finds and one seen here. llama-server reads 32-bit ints, so budgets past
+    2**31 wrapped (``num_predict: 4294967296`` generated 1 token); ``repeat_last_n: -1`` (Ollama:
+    the whole context) was llama-server's 400; and ``repeat_last_n: 1000000000`` with a repeat
+    penalty made the worker allocate 4 GB in its main loop, which wedged it into a restart."""
+    before = {w["id"]: w["restarts"] for w in gw.workers()}
+    gen = {"model": "demo", "prompt": "x", "raw": True, "stream": False}
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        **gen, "options": {"num_predict": 3, "repeat_last_n": 1_000_000_000,
+                           "repeat_penalty": 1.1}})
+    assert r.status_code == 200 and r.json()["eval_count"] == 3, r.text
+    r = httpx.post(gw.url + "/api/chat", timeout=60, json={
+        "model": "demo", "stream": False, "messages": [{"role": "user", "content": "x"}],
+        "options": {"num_predict": 3, "repeat_last_n": -1, "repeat_penalty": 1.1}})
+    assert r.status_code == 200 and r.json()["eval_count"] == 3, r.text
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        **gen, "options": {"num_predict": 2 ** 32}})
+    assert r.status_code == 200 and r.json()["eval_count"] > 100, r.text  # to the context's end
+    r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+        "model": "demo", "prompt": "x", "max_tokens": 2 ** 32 + 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 100, r.text
+    assert {w["id"]: w["restarts"] for w in gw.workers()} == before  # none was wedged
