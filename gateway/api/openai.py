@@ -29,6 +29,7 @@ from gateway.api.errors import (admission_error, model_not_found_v1, openai_erro
                                 openai_error_body, resolve_v1_model, upstream_headers)
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.api.openai_legacy import LegacyCompletions, check_logprobs
+from gateway.api.ollama_mapping import OLLAMA_DEFAULTS
 from gateway.api.openai_usage import UsageSum
 from gateway.api.render import render_prompt
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage, note_usage
@@ -62,6 +63,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         body["stream"] = True
         body["stream_options"] = {**(so or {}), "include_usage": True}
     _bound_max_tokens(gw, body)
+    for k, v in V1_SAMPLING_DEFAULTS.items():
+        if body.get(k) is None:
+            body[k] = v
     worker_ints.bound(body, gw.context_per_slot(entry.name))
     entry.touch(None)
     mcfg = gw.model_config(entry.name)
@@ -125,6 +129,15 @@ async def _chat_route(gw, entry, body: dict, path: str):
         return body, path, None
     return (openai_structured.completion_body(body, prompt, schema if structured else None),
             "/v1/completions", openai_structured.ChatChunks())
+
+
+#: Sampling of a ``/v1`` request that leaves these fields out (or null), as Ollama's ``/v1``
+#: samples it: its ``DefaultOptions`` (api/types.go, ``ollama_mapping.OLLAMA_DEFAULTS``) with
+#: ``temperature`` and ``top_p`` 1.0, OpenAI's defaults (openai/openai.go ``FromChatRequest`` /
+#: ``FromCompleteRequest``). llama-server's own (temperature 0.8, top_p 0.95, min_p 0.05) made
+#: the same request sample differently than behind Ollama (a fresh tester's find).
+V1_SAMPLING_DEFAULTS = {**{k: v for k, v in OLLAMA_DEFAULTS.items() if k not in ("num_keep", "seed")},
+                        "temperature": 1.0, "top_p": 1.0}
 
 
 # llama-server extensions a client must not set through the gateway: ``id_slot`` would pin a

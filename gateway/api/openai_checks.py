@@ -48,13 +48,8 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
         if tools:  # as Ollama's /v1 (through /api/chat): 400 for a template without tools
             await require(gw, entry, "tools", name)
         _named_tool_choice(body)
-    if required == "messages" and body.get("reasoning_effort") is not None:
-        # Ollama's /v1 turns it into think: 400 for another value or a model without thinking
-        # (llama-server ignored it without a word on such a model; a fresh tester's find)
-        if body["reasoning_effort"] not in ("low", "medium", "high"):
-            raise ApiError(400, f"reasoning_effort must be 'low', 'medium' or 'high', got "
-                                f"{_short(body['reasoning_effort'])}")
-        await require(gw, entry, "thinking", name)
+    if required == "messages":
+        await _reasoning_effort(gw, entry, body)
     if required == "prompt" and body.get("suffix") is not None:
         suffix = body["suffix"]
         if not isinstance(suffix, str):
@@ -104,6 +99,37 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
                             f"{_short(include_usage)}")
     include_usage = include_usage is True
     return stream, so, include_usage
+
+
+#: OpenAI's ``reasoning_effort`` values as Ollama's ``/v1`` maps them (openai/openai.go):
+#: ``none`` turns thinking off (llama-server's own reading of "none" too), ``minimal`` is
+#: ``low``, ``xhigh``/``ultra`` are ``max`` (what ``think: "max"`` sends on ``/api``).
+_EFFORTS = {"none": "none", "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+            "xhigh": "max", "ultra": "max", "max": "max"}
+
+
+async def _reasoning_effort(gw, entry, body: dict) -> None:
+    """Check a chat's ``reasoning_effort`` (or OpenAI's newer ``reasoning: {"effort": …}``,
+    which Ollama reads too and llama-server's chat route does not) and write the value
+    llama-server takes as ``reasoning_effort``. Raises ApiError(400) for another value, and
+    Ollama's 400 ``"<model>" does not support thinking`` for an effort above none on a model
+    whose template does not reason (llama-server ignored it without a word; a fresh tester's
+    find). ``none`` is accepted on any model, as Ollama's ``think: false`` is."""
+    reasoning = body.pop("reasoning", None)
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise ApiError(400, f"reasoning must be an object, got {_short(reasoning)}")
+    effort = body.get("reasoning_effort")
+    if effort is None and reasoning is not None:
+        effort = reasoning.get("effort")
+    if effort is None:
+        body.pop("reasoning_effort", None)
+        return
+    if effort not in _EFFORTS:
+        raise ApiError(400, "reasoning_effort must be one of " + ", ".join(
+            f"'{e}'" for e in _EFFORTS) + f", got {_short(effort)}")
+    body["reasoning_effort"] = _EFFORTS[effort]
+    if effort != "none":
+        await require(gw, entry, "thinking", body["model"])
 
 
 def _named_tool_choice(body: dict) -> None:

@@ -153,13 +153,24 @@ def test_v1_suffix_and_reasoning_effort_are_not_dropped(gw):
             ("/v1/completions", {"prompt": "x", "suffix": 5}, "suffix must be a string, got 5"),
             ("/v1/chat/completions", {"messages": MSG, "reasoning_effort": "high"},
              '"demo" does not support thinking'),
+            ("/v1/chat/completions", {"messages": MSG, "reasoning": {"effort": "minimal"}},
+             '"demo" does not support thinking'),
+            ("/v1/chat/completions", {"messages": MSG, "reasoning": "high"},
+             'reasoning must be an object, got "high"'),
             ("/v1/chat/completions", {"messages": MSG, "reasoning_effort": "bogus"},
-             "reasoning_effort must be 'low', 'medium' or 'high', got \"bogus\"")):
+             "reasoning_effort must be one of 'none', 'minimal', 'low', 'medium', 'high', "
+             "'xhigh', 'ultra', 'max', got \"bogus\"")):
         r = httpx.post(gw.url + path, json={"model": "demo", "max_tokens": 1, **body}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
     ok = httpx.post(gw.url + "/v1/completions", timeout=10, json={
         "model": "demo", "prompt": "x", "suffix": "", "max_tokens": 1})
     assert ok.status_code == 200, ok.text
+    # "none" turns thinking off, which any model can do (Ollama's /v1 takes it as think:
+    # false; it was refused with 400; a fresh tester's find)
+    for extra in ({"reasoning_effort": "none"}, {"reasoning": {"effort": "none"}}):
+        ok = httpx.post(gw.url + "/v1/chat/completions", timeout=10, json={
+            "model": "demo", "messages": MSG, "max_tokens": 1, **extra})
+        assert ok.status_code == 200, ok.text
 
 
 def test_v1_completions_apply_a_response_format(gw):
@@ -213,7 +224,8 @@ def test_v1_completions_logprobs_in_openais_legacy_shape(gw, client):
                 seen[c.index].append((c.logprobs.text_offset[0], c.logprobs.tokens[0], c.text))
     for idx, steps in seen.items():
         assert 1 <= len(steps) <= 5, steps  # an end-of-text token may come first
-        assert [o for o, _, _ in steps] == [sum(len(t) for _, t, _ in steps[:i]) for i in range(5)]
+        assert [o for o, _, _ in steps] == [sum(len(t) for _, t, _ in steps[:i])
+                                            for i in range(len(steps))]
     for bad in (True, -1, 21, 1.5, "2"):
         r = httpx.post(gw.url + "/v1/completions", timeout=10, json={
             "model": "demo", "prompt": "hi", "max_tokens": 1, "logprobs": bad})
@@ -242,6 +254,25 @@ def test_every_streamed_chat_choice_starts_with_the_assistant_role(gw):
             assert sorted(first) == list(range(n)), r.text
             lacking += [(seed, n, i) for i, d in first.items() if d.get("role") != "assistant"]
     assert lacking == [], lacking
+
+
+def test_v1_samples_as_ollamas_v1_when_fields_are_left_out(gw, client):
+    """Ollama's /v1 fills in temperature and top_p 1.0 (OpenAI's defaults) and its own
+    DefaultOptions (min_p 0, top_k 40, …); llama-server's /v1 used its own (temperature 0.8,
+    top_p 0.95, min_p 0.05), so a request sampled differently behind this gateway (a fresh
+    tester's find). The worker's /slots shows what the last task ran with; a field the client
+    sets is kept."""
+    (w,) = [x for x in gw.workers() if x["id"].startswith("demo-")]
+    for create, kw in ((client.chat.completions.create, {"messages": MSG}),
+                       (client.completions.create, {"prompt": "hello"})):
+        for given, want in (({}, {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "top_k": 40}),
+                            ({"temperature": 0.3, "top_p": 0.5},
+                             {"temperature": 0.3, "top_p": 0.5, "min_p": 0.0})):
+            create(model="demo", max_tokens=2, **kw, **given)
+            last = max((s for s in gw.slots(w) if s.get("id_task") is not None),
+                       key=lambda s: s["id_task"])
+            got = {k: round(last["params"][k], 6) for k in want}
+            assert got == want, (kw, given, got)
 
 
 def test_structured_output_runs_as_a_completion_and_never_answers_500(client):

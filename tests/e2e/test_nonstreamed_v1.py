@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.api.openai import V1_SAMPLING_DEFAULTS
 from gateway.api.openai_legacy import LegacyCompletions
 from tests.conftest import base_config, free_port, worker_key
 
@@ -38,7 +39,10 @@ def client(gw):
 
 
 def direct(gw, path: str, body: dict) -> dict:
-    """The same request sent straight to the (only) worker, non-streamed, with its key."""
+    """The same request sent straight to the (only) worker, non-streamed, with its key and the
+    sampling fields the gateway fills in on ``/v1`` (Ollama's, ``V1_SAMPLING_DEFAULTS``) where
+    the body has none."""
+    body = {**V1_SAMPLING_DEFAULTS, **body}
     w = gw.workers()[0]
     r = httpx.post(f"http://127.0.0.1:{w['port']}{path}", json=body, timeout=60,
                    headers={"Authorization": f"Bearer {worker_key(w['pid'])}"})
