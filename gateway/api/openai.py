@@ -46,7 +46,11 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     body = await read_json(request)
     entry = resolve_v1_model(gw.inventory, body)
     stream, so, include_usage = await openai_checks.check_request(gw, entry, body, required)
+    asked = body["model"]  # answers name the model as asked, as Ollama's /v1 and /v1/embeddings
     body["model"] = entry.name
+    # llama-server names the model it was sent (the canonical name); the events are relayed as
+    # bytes, so the name is swapped in them as bytes (JSON-escaped text cannot contain it)
+    rename = None if asked == entry.name else (_model_field(entry.name), _model_field(asked))
     convert = None  # a completion's events turned into chat chunks (openai_structured)
     legacy = None  # /v1/completions: OpenAI's legacy logprobs and id (openai_legacy)
     if required == "messages":
@@ -82,11 +86,14 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 answer = await _fold_stream(request, resp, fold, convert)
                 if legacy is not None:
                     legacy.answer(answer)
+                answer["model"] = asked
                 note_usage(request, answer["usage"])
                 return web.Response(body=orjson.dumps(answer), content_type="application/json")
             if not stream:
                 data = await read_all(resp)
                 note_openai_usage(request, data)
+                if rename is not None:
+                    data = data.replace(*rename)
                 return web.Response(body=data, content_type="application/json")
             if not resp.progress:
                 # A short prompt: its stream starts with the worker's headers, as before its
@@ -96,7 +103,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
             await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt),
                                 legacy.events if legacy is not None else convert,
                                 chat=per_prompt if required == "messages" and convert is None
-                                else 0)
+                                else 0, rename=rename)
             out = started[0]
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         err = admission_error(e, gw.config.queue.retry_after_s)
@@ -223,9 +230,14 @@ def _sse(obj) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def _model_field(name: str) -> bytes:
+    """``"model":"<name>"`` as llama-server's compact JSON (and orjson) write it."""
+    return b'"model":' + orjson.dumps(name)
+
+
 async def _relay_stream(request: web.Request, resp, started: list,
                         include_usage: bool, usage: UsageSum, convert=None,
-                        chat: int = 0) -> None:
+                        chat: int = 0, rename: tuple[bytes, bytes] | None = None) -> None:
     """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
     with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
     it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
@@ -251,14 +263,17 @@ async def _relay_stream(request: web.Request, resp, started: list,
     asked for them, the client did not), and a first token that ends inside a UTF-8 character
     sends no event at all, so a choice could start without its role (3 of 40 seeds on the demo
     model; the ``openai`` client's stream helper then builds a message with ``role`` None; a
-    fresh tester's find). A role chunk is put before each choice's first chunk that has none."""
+    fresh tester's find). A role chunk is put before each choice's first chunk that has none.
+
+    ``rename``: (``"model":"<canonical>"``, ``"model":"<asked>"``) as bytes, swapped in every
+    write, or None."""
     head: dict | None = None  # the first usage event, less its choices, usage and timings
     roles_due = set(range(chat))  # choices whose role has not been sent yet
 
     async def write(data: bytes) -> None:
         if not started:
             started.append(await start_stream(request, "text/event-stream"))
-        await started[0].write(data)
+        await started[0].write(data.replace(*rename) if rename is not None else data)
 
     async for batch in iter_sse_batches(resp):
         note_first_byte(request)

@@ -275,6 +275,22 @@ def test_v1_samples_as_ollamas_v1_when_fields_are_left_out(gw, client):
             assert got == want, (kw, given, got)
 
 
+def test_v1_answers_name_the_model_as_the_client_did(client):
+    """Ollama's /v1 (and this gateway's /v1/embeddings) answer with the model name the client
+    sent; chat and completions named the canonical ``demo:latest`` for ``demo`` (a fresh
+    tester's find), streamed or not, structured output included."""
+    for name in ("demo", "demo:latest", "DEMO"):
+        chat = client.chat.completions.create(model=name, messages=MSG, max_tokens=2)
+        cmpl = client.completions.create(model=name, prompt="hi", max_tokens=2)
+        fmt = client.chat.completions.create(model=name, messages=MSG, max_tokens=5,
+                                             response_format={"type": "json_object"})
+        streamed = [c.model for c in client.chat.completions.create(
+            model=name, messages=MSG, max_tokens=2, stream=True)]
+        streamed += [c.model for c in client.completions.create(
+            model=name, prompt="hi", max_tokens=2, stream=True)]
+        assert {chat.model, cmpl.model, fmt.model, *streamed} == {name}, (name, streamed)
+
+
 def test_structured_output_runs_as_a_completion_and_never_answers_500(client):
     """``response_format`` on /v1 chat: the chat template, then /v1/completions under the
     schema's grammar, its events turned into chat chunks. llama-server's own chat route
