@@ -232,6 +232,7 @@ class WorkerProcess:
         self.api_key = ""
         self.proc: asyncio.subprocess.Process | None = None
         self._pipes: list[asyncio.Task] = []
+        self._exit_logged = False  # worker.exited was logged (wait)
         #: The first error line llama-server wrote (its timestamp and level letter removed),
         #: usually the most specific reason it gives for exiting (``error: invalid argument:
         #: --x``; ``llama_model_load: error loading model: …``, before the lines that repeat it
@@ -316,9 +317,14 @@ class WorkerProcess:
             self.log.debug("worker.output", stream=stream, line=text)
 
     async def wait(self) -> int:
-        """Wait for exit; returns the exit status (negative = killed by that signal)."""
+        """Wait for exit; returns the exit status (negative = killed by that signal). The first
+        wait to see it logs ``worker.exited`` (pid, status): the process is reaped then, so
+        its port is free, and a restart spawns its successor only after it."""
         assert self.proc is not None
         rc = await self.proc.wait()
+        if not self._exit_logged:
+            self._exit_logged = True
+            self.log.info("worker.exited", pid=self.proc.pid, status=rc)
         for t in self._pipes:
             try:
                 # what it wrote last (often why it exited) is still being read: 2 s lost a

@@ -408,6 +408,14 @@ def test_field_15_wedged_worker_restart_sigkill_respawn(gateway_factory):
         s.bind(("127.0.0.1", victim["port"]))
     log = gw.log_path.read_text()
     assert '"worker": "demo-cpu1", "gpu": "cpu", "grace_s": 1.0, "event": "worker.stop_timeout"' in log
+    # in this order: the grace ran out, the old process was reaped (SIGKILL: status -9), then
+    # its successor was spawned (a break that spawned without waiting for the reap passed)
+    steps = [(e["event"], e.get("pid"), e.get("status")) for e in map(json.loads, (
+        ln for ln in log.splitlines() if ln.startswith("{") and '"demo-cpu1"' in ln))
+        if e["event"] in ("worker.stop_timeout", "worker.exited", "worker.spawned")]
+    i = steps.index(("worker.stop_timeout", None, None))
+    assert steps[i + 1:i + 3] == [("worker.exited", victim["pid"], -9),
+                                  ("worker.spawned", res.json()["pid"], None)], steps
     served_by = [json.loads(ln)["worker"] for ln in log.splitlines()
                  if '"request.done"' in ln and '"/api/generate"' in ln]
     assert served_by == ["demo-cpu0"] * 6
