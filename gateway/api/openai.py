@@ -27,9 +27,9 @@ from gateway.api import openai_checks, openai_structured, worker_ints
 from gateway.api.capabilities import model_capabilities
 from gateway.api.errors import (admission_error, model_not_found_v1, openai_error,
                                 openai_error_body, resolve_v1_model, upstream_headers)
+from gateway.api.ollama_mapping import OLLAMA_DEFAULTS
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.api.openai_legacy import LegacyCompletions, check_logprobs
-from gateway.api.ollama_mapping import OLLAMA_DEFAULTS
 from gateway.api.openai_usage import UsageSum
 from gateway.api.render import render_prompt
 from gateway.metrics import note_first_byte, note_lease, note_openai_usage, note_usage

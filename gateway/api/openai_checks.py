@@ -124,7 +124,7 @@ async def _reasoning_effort(gw, entry, body: dict) -> None:
     if effort is None:
         body.pop("reasoning_effort", None)
         return
-    if effort not in _EFFORTS:
+    if not isinstance(effort, str) or effort not in _EFFORTS:
         raise ApiError(400, "reasoning_effort must be one of " + ", ".join(
             f"'{e}'" for e in _EFFORTS) + f", got {_short(effort)}")
     body["reasoning_effort"] = _EFFORTS[effort]
