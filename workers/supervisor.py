@@ -18,8 +18,11 @@ worker itself (``workers.stall_check.check_worker``: its main loop answers and i
 free or moving, within ``liveness_timeout_s``): a worker that fails is wedged; one that passes
 is kept, the stalls are taken as the requests' own (``worker.stall_not_wedged``) and the streak
 starts again from 0. Crash loop: ``crash_loop_restarts``
-restarts within ``crash_loop_window_s`` → ``failed`` for ``failed_retry_s``, then retried
-(``retry_at`` says when, in ``time.monotonic`` seconds).
+restarts within ``crash_loop_window_s``, or as many starts in a row that ended without the
+worker getting ready (a worker that hangs while it loads takes ``startup_timeout_s``, 180 s,
+per try: no two of its restarts fell within the 120 s window, so it never counted as failing
+and its model's requests each waited ``queue.timeout_s``; a fresh tester's find) → ``failed``
+for ``failed_retry_s``, then retried (``retry_at`` says when, in ``time.monotonic`` seconds).
 
 The supervisor never routes requests. It reports readiness through two callbacks, and the
 gateway's dispatcher only leases slots of ready workers; an optional third one hears every state
@@ -97,6 +100,7 @@ class WorkerSupervisor:
         self.slot_leaks = 0  # restarts for a leaked slot (the gateway's: gateway.fleet)
         self.stalls = 0  # stalled requests in a row (watchdog)
         self._restart_times: collections.deque[float] = collections.deque()
+        self._failed_starts = 0  # starts in a row that ended without getting ready
         self._stall_check: asyncio.Event = asyncio.Event()  # a stall streak wants a check
         self.state = "stopped"
         self.detail = ""
@@ -188,6 +192,7 @@ class WorkerSupervisor:
                 exit_task = asyncio.create_task(proc.wait())
                 reason = await self._await_ready(proc, http, exit_task)
                 if reason is None:
+                    self._failed_starts = 0
                     self.ready_since = time.monotonic()
                     self._set_state("ready")
                     self._ready_evt.set()
@@ -220,16 +225,20 @@ class WorkerSupervisor:
                     await exit_task
                     if self._stopping:
                         break
+                    self._failed_starts += 1
                 self.crashes += 1
                 if self._stopping:  # stopped meanwhile (an admin restart): no restart follows
                     break
                 self.restarts += 1
-                if self._crash_loop():
+                in_window = self._crash_loop()
+                if in_window or self._failed_starts >= self.crash_loop_restarts:
                     self.crash_loops += 1
-                    n = len(self._restart_times)
+                    n = len(self._restart_times) if in_window else self._failed_starts
+                    what = (f"{n} restarts within {self.crash_loop_window_s:g} s" if in_window
+                            else f"{n} starts in a row did not get ready")
                     self._restart_times.clear()
-                    self._set_state("failed", f"crash loop: {n} restarts within "
-                                              f"{self.crash_loop_window_s:g} s (last: {reason}); "
+                    self._failed_starts = 0
+                    self._set_state("failed", f"crash loop: {what} (last: {reason}); "
                                               f"next try in {self.failed_retry_s:g} s",
                                     retry_at=time.monotonic() + self.failed_retry_s)
                     self.log.error("worker.crash_loop", restarts=n, last_reason=reason,

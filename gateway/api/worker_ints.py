@@ -31,10 +31,15 @@ WINDOWS = ("repeat_last_n", "dry_penalty_last_n")
 
 def bound(body: dict, context: int) -> None:
     """Clamp ``body``'s 32-bit integer fields in place and cap its penalty windows at
-    ``context`` (tokens per slot; 0 = unknown, windows left as they are). Values of other types
-    are left for the API's own checks or llama-server's 400."""
-    for k in INT32_FIELDS:
+    ``context`` (tokens per slot; 0 = unknown, windows left as they are). A number written as
+    a float (``1e9``, ``40.0``) is taken as llama-server takes it, truncated to an integer
+    (nlohmann's ``get<int32_t>``), and then bounded: ``repeat_last_n: 1e9`` got past an
+    integers-only check and wedged a worker (a fresh tester's find). Other types are left
+    for the API's own checks or llama-server's 400."""
+    for k in INT32_FIELDS + WINDOWS:
         v = body.get(k)
+        if type(v) is float:
+            body[k] = v = _truncated(v)
         if type(v) is int and not INT32_MIN <= v <= INT32_MAX:
             body[k] = INT32_MAX if v > 0 else (-1 if k in BUDGETS else INT32_MIN)
     if context <= 0:
@@ -43,3 +48,12 @@ def bound(body: dict, context: int) -> None:
         v = body.get(k)
         if type(v) is int and (v > context or (v == -1 and k == "repeat_last_n")):
             body[k] = context
+
+
+def _truncated(v: float) -> int:
+    """``v`` toward zero as an int; infinities as the 32-bit bound of their sign (NaN: 0)."""
+    if v != v:
+        return 0
+    if v in (float("inf"), float("-inf")):
+        return INT32_MAX if v > 0 else INT32_MIN
+    return int(v)

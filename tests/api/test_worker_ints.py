@@ -41,3 +41,15 @@ def test_penalty_windows_are_capped_at_the_slot_context():
     body = {"repeat_last_n": -5}  # llama-server's own 400
     bound(body, 2048)
     assert body == {"repeat_last_n": -5}
+
+
+def test_numbers_written_as_floats_are_bounded_too():
+    """``repeat_last_n: 1e9`` (a JSON float) got past the integers-only cap and wedged a worker;
+    ``top_k: 4294967297.0`` reached it wrapped to 0 (a fresh tester's finds). llama-server
+    truncates a float read into an int; so does the gateway, then bounds it."""
+    body = {"repeat_last_n": 1e9, "dry_penalty_last_n": 4096.0, "top_k": 4294967297.0,
+            "n_probs": 2.7, "n_predict": -1e12, "min_keep": float("inf"), "n_keep": -1.0}
+    bound(body, 2048)
+    assert body == {"repeat_last_n": 2048, "dry_penalty_last_n": 2048, "top_k": INT32_MAX,
+                    "n_probs": 2, "n_predict": -1, "min_keep": INT32_MAX, "n_keep": -1}
+    assert all(type(v) is int for v in body.values())

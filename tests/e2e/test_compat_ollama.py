@@ -409,4 +409,8 @@ def test_huge_integers_and_penalty_windows_do_not_harm_the_worker(gw):
     r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
         "model": "demo", "prompt": "x", "max_tokens": 2 ** 32 + 1})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 100, r.text
+    # written as a float it got past an integers-only cap (a fresh tester's find)
+    r = httpx.post(gw.url + "/v1/completions", timeout=60, content=b'{"model": "demo", '
+                   b'"prompt": "x", "max_tokens": 2, "repeat_last_n": 1e9, "repeat_penalty": 1.2}')
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     assert {w["id"]: w["restarts"] for w in gw.workers()} == before  # none was wedged

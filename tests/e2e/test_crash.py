@@ -110,6 +110,40 @@ def test_crash_loop_marks_worker_failed_then_retries(tmp_path, gateway_factory):
     assert w2["restarts"] == restarts + 3
 
 
+def test_a_worker_that_hangs_at_every_start_is_failed_and_its_requests_refused(
+        tmp_path, gateway_factory):
+    """A worker whose every start hangs (it never answers /health) is stopped after each
+    ``startup_timeout_s`` and restarted; when a try takes longer than ``crash_loop_window_s``
+    (the defaults: 180 s against 120 s) no two restarts fell in one window, so it never became
+    ``failed`` and each request for its model waited ``queue.timeout_s`` (10 min) for a 503 (a
+    fresh tester's find). ``crash_loop_restarts`` starts in a row that do not get ready now mark
+    it failed: requests get the crash-loop 503 at once. The binary is a FAKE wrapper that sleeps
+    forever for the model ``hang`` and runs llama-server for ``demo``."""
+    from workers.provision import ensure_llama_server
+    wrapper = tmp_path / "hang-or-run"
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *hang:latest*) exec sleep 1000;; esac\n'
+                       f'exec "{ensure_llama_server()}" "$@"\n')
+    wrapper.chmod(0o755)
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(wrapper), "threads": 1, "startup_timeout_s": 2, "crash_loop_window_s": 1,
+        "crash_loop_restarts": 2, "restart_backoff_initial_s": 0.2, "failed_retry_s": 60},
+        models=[{"name": "demo", "path": "builtin:demo", "slots": 1, "context": 512, "cpu": 1},
+                {"name": "hang", "path": "builtin:demo", "slots": 1, "context": 512, "cpu": 1}])
+    gw = gateway_factory(cfg, wait=False)
+    w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == "hang-cpu0"
+                               and x["state"] == "failed"), None), 30, "hang-cpu0 failed")
+    assert w["detail"].startswith("crash loop: 2 starts in a row did not get ready (last: "), w
+    assert w["crash_loops"] == 1 and w["restarts"] == 2
+    r = httpx.post(gw.url + "/api/generate", timeout=30, json={
+        "model": "hang", "prompt": "x", "raw": True, "stream": False})
+    assert r.status_code == 503 and "every worker of it failed" in r.json()["error"], r.text
+    assert r.headers["Retry-After"]
+    ok = httpx.post(gw.url + "/api/generate", timeout=30, json={
+        "model": "demo", "prompt": "x", "raw": True, "stream": False,
+        "options": {"num_predict": 2}})
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize("path,stream", [("/api/generate", False), ("/api/chat", True),
                                          ("/v1/chat/completions", True)])
 def test_a_worker_killed_while_it_computes_a_prompt_is_retried_elsewhere(tmp_path,
