@@ -195,6 +195,7 @@ class ModelEntry:
     embeddings: bool = False
     _digest: str | None = None
     _digest_job: concurrent.futures.Future | None = None  # the background hash, once started
+    _digest_waited: bool = False  # a listing already waited for the unfinished hash
     worker_template: str | None = None   # chat template a worker reported in /props, if asked
     worker_vision: bool = False          # a worker reported modalities.vision in /props
     last_used_s: float | None = None      # time.time() of the last request (touch)
@@ -232,13 +233,18 @@ class ModelEntry:
         ``wait_s`` seconds for that thread, then answers :func:`provisional_digest` (stable
         while the file is unchanged), so a client listing models right after start-up is
         answered at once and every other request keeps being served. Ollama's own digest is its
-        manifest's sha256: clients treat the value as an opaque id."""
+        manifest's sha256: clients treat the value as an opaque id. Only the first listing
+        that finds the hash unfinished waits; later ones answer the provisional digest at once
+        (each waited 1 s while a 4 GiB file was hashed; a fresh tester's find)."""
         job = self.compute_digest_in_background()
         if job is None:
             return self._digest
+        if self._digest_waited:  # one listing waited already: the others answer at once
+            wait_s = 0.0
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), wait_s)
         except (TimeoutError, OSError):  # still hashing, or the file cannot be read now
+            self._digest_waited = True
             return provisional_digest(self.path)
 
     def compute_digest_in_background(self) -> concurrent.futures.Future | None:

@@ -153,8 +153,8 @@ class Reloader:
             try:
                 res = await self._reload()
             finally:
-                if told:
-                    gw.notifier.ready(gw.fleet_status())
+                if told and not gw.stopping.is_set():  # after STOPPING=1, no READY=1 (a
+                    gw.notifier.ready(gw.fleet_status())  # fresh tester's find)
             gw.metrics.reloads.labels("ok" if res.ok else "rolled_back" if res.rolled_back
                                       else "rejected").inc()
             return res

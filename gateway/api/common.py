@@ -257,3 +257,12 @@ def visible_entries(request: web.Request) -> list:
     entries = request.app["gw"].inventory.entries
     key = request.get("api_key_state")
     return list(entries) if key is None else [e for e in entries if key.allows_model(e.name)]
+
+
+def operator_sampling(gw, name: str) -> frozenset[str]:
+    """The sampling fields whose default the operator chose for model ``name`` with
+    llama-server flags (``llama_server.extra_args`` and its ``models[].args``;
+    ``ollama_mapping.sampling_set_by``): a request that leaves them out gets the worker's."""
+    from gateway.api.ollama_mapping import sampling_set_by
+    m = gw.model_config(name)
+    return sampling_set_by([*gw.config.llama_server.extra_args, *(m.args if m else ())])

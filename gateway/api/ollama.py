@@ -27,8 +27,8 @@ from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api import worker_ints
 from gateway.api.capabilities import model_capabilities, require
-from gateway.api.common import (make_ticket, note_upstream_error, optional, read_json,
-                                start_stream, t0_ns, visible_entries)
+from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling, optional,
+                                read_json, start_stream, t0_ns, visible_entries)
 from gateway.api.errors import ApiError, admission_error, ollama_error, upstream_headers
 from gateway.api.render import render_prompt, upstream_error_text
 from gateway.api.ollama_mapping import (
@@ -85,11 +85,13 @@ def _stream_flag(body: dict) -> bool:
     return s is not False
 
 
-def _sampling(request: web.Request, body: dict) -> dict:
-    cfg = _gw(request).config.generation
+def _sampling(request: web.Request, body: dict, entry: ModelEntry) -> dict:
+    gw = _gw(request)
+    cfg = gw.config.generation
     ignored: list[str] = []
     out = map_options(body.get("options"), num_predict_default=cfg.num_predict_default,
-                      num_predict_max=cfg.num_predict_max, ignored=ignored)
+                      num_predict_max=cfg.num_predict_max, ignored=ignored,
+                      operator_set=operator_sampling(gw, entry.name))
     if ignored:
         log.warning("request.options_ignored", options=ignored, request_id=request.get("request_id"))
     return out
@@ -353,13 +355,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
         rendered = await render_prompt(gw, entry.name, msgs, template_fields={
             **_think_kwargs(think), **({"tools": tools} if tools else {})})
         up = {"stream": True, "cache_prompt": True, "prompt": rendered,
-              **_sampling(request, body), **fmt}
+              **_sampling(request, body, entry), **fmt}
         if lp or top:
             up["n_probs"] = max(top, 1)
     else:
         path = "/v1/chat/completions"
         up = {"model": entry.name, "messages": msgs, "stream": True,
-              "stream_options": {"include_usage": True}, **_sampling(request, body),
+              "stream_options": {"include_usage": True}, **_sampling(request, body, entry),
               **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}
         if lp or top:
             up["logprobs"] = True
@@ -438,7 +440,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not prompt and not suffix:
         return _done_only(gw, entry, name, keep_alive, chat=False)
     entry.touch(keep_alive)
-    sampling = _sampling(request, body)
+    sampling = _sampling(request, body, entry)
     msgs = None  # raw and suffix (FIM) prompts go as they are
     if not raw and not suffix:
         msgs = ([{"role": "system", "content": system}] if system else []) + \

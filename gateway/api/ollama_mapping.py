@@ -41,6 +41,23 @@ _PROCESS_LEVEL = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "
 _RENAME = {"num_keep": "n_keep", "num_predict": "n_predict"}
 
 
+#: llama-server's sampling flags (common/arg.cpp; its parser takes a value as the next
+#: argument only) and the request field whose default each sets.
+SAMPLING_FLAGS = {"--temp": "temperature", "--top-k": "top_k", "--top-p": "top_p",
+                  "--min-p": "min_p", "--typical": "typical_p",
+                  "--repeat-last-n": "repeat_last_n", "--repeat-penalty": "repeat_penalty",
+                  "--presence-penalty": "presence_penalty",
+                  "--frequency-penalty": "frequency_penalty", "-s": "seed", "--seed": "seed"}
+
+
+def sampling_set_by(args) -> frozenset[str]:
+    """The request fields whose default the operator chose with llama-server flags in ``args``
+    (``models[].args``, ``llama_server.extra_args``): the gateway sends no default of its own
+    for them, so the worker's applies, as an Ollama Modelfile's ``PARAMETER`` lines are the
+    model's defaults."""
+    return frozenset(SAMPLING_FLAGS[a] for a in args if a in SAMPLING_FLAGS)
+
+
 def past_int64(v) -> bool:
     """Whether ``v`` is a whole float at least 2**63 in size: an integer literal orjson could
     not keep as an integer (it reads those past 64 bits as floats, and the float nearest
@@ -49,10 +66,12 @@ def past_int64(v) -> bool:
 
 
 def map_options(options: object, *, num_predict_default: int, num_predict_max: int | None,
-                ignored: list[str] | None = None) -> dict:
+                ignored: list[str] | None = None, operator_set: frozenset = frozenset()) -> dict:
     """Ollama ``options`` → llama-server body fields.
 
-    Returns a dict with every sampling field set (Ollama defaults filled in) plus ``n_predict``.
+    Returns a dict with every sampling field set (Ollama defaults filled in, except the fields
+    in ``operator_set``, whose default the worker's own flags give: :func:`sampling_set_by`)
+    plus ``n_predict``.
     Unknown keys are skipped and appended to ``ignored`` (Ollama logs ``invalid option
     provided``); ``null`` values are skipped. Raises ApiError(400) on a wrong type, e.g.
     ``option "top_k" must be of type integer``.
@@ -61,7 +80,7 @@ def map_options(options: object, *, num_predict_default: int, num_predict_max: i
         options = {}
     if not isinstance(options, dict):
         raise ApiError(400, "options must be an object")
-    out = dict(OLLAMA_DEFAULTS)
+    out = {k: v for k, v in OLLAMA_DEFAULTS.items() if k not in operator_set}
     num_predict = num_predict_default
     for k, v in options.items():
         if v is None:

@@ -21,8 +21,8 @@ import orjson
 from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
-from gateway.api.common import (make_ticket, note_upstream_error, read_json, start_stream,
-                                visible_entries)
+from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling,
+                                read_json, start_stream, visible_entries)
 from gateway.api import openai_checks, openai_structured, worker_ints
 from gateway.api.capabilities import model_capabilities
 from gateway.api.errors import (admission_error, model_not_found_v1, openai_error,
@@ -67,8 +67,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         body["stream"] = True
         body["stream_options"] = {**(so or {}), "include_usage": True}
     _bound_max_tokens(gw, body)
+    operator_set = operator_sampling(gw, entry.name)
     for k, v in V1_SAMPLING_DEFAULTS.items():
-        if body.get(k) is None:
+        if body.get(k) is None and k not in operator_set:
             body[k] = v
     worker_ints.bound(body, gw.context_per_slot(entry.name))
     entry.touch(None)

@@ -12,8 +12,9 @@
   ``repeat_penalty: 1.1`` made the worker allocate 4 GB inside its main loop, which stalled it
   past the liveness probe, so the gateway restarted it (seen here; a client could do that to
   every worker). A window longer than the slot's context sees nothing more, so both are capped
-  at the per-slot context (tokens); Ollama's ``repeat_last_n: -1`` ("the whole context",
-  Ollama's docs/modelfile.md) becomes that context, where llama-server refused -1 with 400.
+  at the per-slot context (tokens); -1 ("the whole context": Ollama's docs/modelfile.md for
+  ``repeat_last_n``, llama-server's own help for ``dry_penalty_last_n``) becomes that context,
+  where the pinned llama-server refused -1 with 400.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def bound(body: dict, context: int) -> None:
         return
     for k in WINDOWS:
         v = body.get(k)
-        if type(v) is int and (v > context or (v == -1 and k == "repeat_last_n")):
+        if type(v) is int and (v > context or v == -1):
             body[k] = context
 
 

@@ -31,7 +31,7 @@ def test_penalty_windows_are_capped_at_the_slot_context():
     assert body == {"repeat_last_n": 2048, "dry_penalty_last_n": 2048}
     body = {"repeat_last_n": -1, "dry_penalty_last_n": -1}  # Ollama: the whole context
     bound(body, 2048)
-    assert body == {"repeat_last_n": 2048, "dry_penalty_last_n": -1}  # llama-server reads -1 so
+    assert body == {"repeat_last_n": 2048, "dry_penalty_last_n": 2048}  # its 400 for -1
     body = {"repeat_last_n": 64, "dry_penalty_last_n": 0}
     bound(body, 2048)
     assert body == {"repeat_last_n": 64, "dry_penalty_last_n": 0}

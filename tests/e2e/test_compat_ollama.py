@@ -414,3 +414,36 @@ def test_huge_integers_and_penalty_windows_do_not_harm_the_worker(gw):
                    b'"prompt": "x", "max_tokens": 2, "repeat_last_n": 1e9, "repeat_penalty": 1.2}')
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     assert {w["id"]: w["restarts"] for w in gw.workers()} == before  # none was wedged
+
+
+def test_sampling_flags_in_args_are_the_models_defaults(gateway_factory):
+    """An operator's llama-server sampling flags in ``models[].args`` (a model's recommended
+    sampling) were overridden by the gateway's defaults on every request (a fresh tester's
+    find). They are the model's defaults now, as an Ollama Modelfile's PARAMETER lines: a
+    request that leaves the field out gets the worker's value, one that sets it its own. The
+    worker's /slots shows what the last task ran with."""
+    cfg = base_config(free_port(), models=[model("demo", args=[
+        "--temp", "0.2", "--top-k", "7", "--min-p", "0.3", "--repeat-penalty", "1.3"])])
+    gw = gateway_factory(cfg)
+    (w,) = gw.workers()
+
+    def last_params() -> dict:
+        last = max((s for s in gw.slots(w) if s.get("id_task") is not None),
+                   key=lambda s: s["id_task"])
+        return {k: round(last["params"][k], 6) for k in
+                ("temperature", "top_k", "min_p", "repeat_penalty", "top_p")}
+
+    gen = {"model": "demo", "prompt": "x", "raw": True, "stream": False}
+    httpx.post(gw.url + "/api/generate", json={**gen, "options": {"num_predict": 2}}, timeout=30)
+    # the flags' values; top_p, which no flag set, Ollama's default 0.9
+    assert last_params() == {"temperature": 0.2, "top_k": 7, "min_p": 0.3,
+                             "repeat_penalty": 1.3, "top_p": 0.9}
+    httpx.post(gw.url + "/api/generate", timeout=30, json={
+        **gen, "options": {"num_predict": 2, "temperature": 0.5, "top_k": 3}})
+    assert last_params() == {"temperature": 0.5, "top_k": 3, "min_p": 0.3,
+                             "repeat_penalty": 1.3, "top_p": 0.9}
+    httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+        "model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    # /v1: the flags' values, top_p Ollama's /v1 default 1.0
+    assert last_params() == {"temperature": 0.2, "top_k": 7, "min_p": 0.3,
+                             "repeat_penalty": 1.3, "top_p": 1.0}

@@ -1049,7 +1049,8 @@ def _sighup_handled(pid: int) -> bool:
 def test_sighup_at_start_and_a_reload_running_at_sigterm(tmp_path):
     """A SIGHUP in the gateway's first second (before its reload handler exists, once Python
     runs the gateway's code) is ignored, not its default action (exit 129, nothing logged); a reload still restarting a worker when
-    SIGTERM comes is answered 503, not cut off with an empty reply (fresh tester's finds)."""
+    SIGTERM comes is answered 503, not cut off with an empty reply (fresh tester's finds), and
+    it sends systemd no READY=1 after STOPPING=1 (another tester's find)."""
     cfg = base_config(free_port(), admin={"token": "t"},
                       llama_server={"threads": 1, "restart_backoff_initial_s": 1.0},
                       models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
@@ -1057,9 +1058,13 @@ def test_sighup_at_start_and_a_reload_running_at_sigterm(tmp_path):
     cfg_path = tmp_path / "gw.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     log_path = tmp_path / "gw.log"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(0.2)
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "-c", str(cfg_path)],
-                                cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
+                                cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                                env={**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
     try:
         # once the gateway's own code runs (SIGHUP ignored or caught; before that, Python is
         # still starting), a SIGHUP must not end it
@@ -1080,6 +1085,13 @@ def test_sighup_at_start_and_a_reload_running_at_sigterm(tmp_path):
                 pass
             assert time.monotonic() < end
             time.sleep(0.1)
+        msgs: list[str] = []
+        end = time.monotonic() + 30  # start-up's READY=1 first: the reload then sends its own
+        while not any("READY=1" in m.split("\n") for m in msgs) and time.monotonic() < end:
+            try:
+                msgs.append(sock.recv(4096).decode())
+            except socket.timeout:
+                pass
         cfg["models"][0]["args"] = ["--definitely-not-a-flag"]
         cfg_path.write_text(yaml.safe_dump(cfg))
         with cf.ThreadPoolExecutor(1) as ex:
@@ -1092,7 +1104,16 @@ def test_sighup_at_start_and_a_reload_running_at_sigterm(tmp_path):
             "server shutting down, please try again: the gateway began to stop before the "
             "reload finished"), r.text
         assert proc.wait(60) == 0
+        try:
+            while True:
+                msgs.append(sock.recv(4096).decode())
+        except socket.timeout:
+            pass
+        stop = next(i for i, m in enumerate(msgs) if m.startswith("STOPPING=1"))
+        assert any(m.startswith("RELOADING=1") for m in msgs[:stop]), msgs
+        assert not any("READY=1" in m.split("\n") for m in msgs[stop:]), msgs
     finally:
+        sock.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
