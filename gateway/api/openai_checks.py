@@ -118,14 +118,14 @@ async def _reasoning_effort(gw, entry, body: dict) -> None:
     reasoning = body.pop("reasoning", None)
     if reasoning is not None and not isinstance(reasoning, dict):
         raise ApiError(400, f"reasoning must be an object, got {_short(reasoning)}")
-    effort = body.get("reasoning_effort")
+    effort, field = body.get("reasoning_effort"), "reasoning_effort"
     if effort is None and reasoning is not None:
-        effort = reasoning.get("effort")
+        effort, field = reasoning.get("effort"), "reasoning.effort"
     if effort is None:
         body.pop("reasoning_effort", None)
         return
     if not isinstance(effort, str) or effort not in _EFFORTS:
-        raise ApiError(400, "reasoning_effort must be one of " + ", ".join(
+        raise ApiError(400, f"{field} must be one of " + ", ".join(
             f"'{e}'" for e in _EFFORTS) + f", got {_short(effort)}")
     body["reasoning_effort"] = _EFFORTS[effort]
     if effort != "none":

@@ -157,6 +157,9 @@ def test_v1_suffix_and_reasoning_effort_are_not_dropped(gw):
              '"demo" does not support thinking'),
             ("/v1/chat/completions", {"messages": MSG, "reasoning": "high"},
              'reasoning must be an object, got "high"'),
+            ("/v1/chat/completions", {"messages": MSG, "reasoning": {"effort": "bogus"}},
+             "reasoning.effort must be one of 'none', 'minimal', 'low', 'medium', 'high', "
+             "'xhigh', 'ultra', 'max', got \"bogus\""),
             ("/v1/chat/completions", {"messages": MSG, "reasoning_effort": ["high"]},
              "reasoning_effort must be one of 'none', 'minimal', 'low', 'medium', 'high', "
              "'xhigh', 'ultra', 'max', got [\"high\"]"),
