@@ -256,10 +256,14 @@ def test_non_streaming_disconnect_frees_slot(gw1):
 @pytest.fixture(scope="module")
 def gw_long(tmp_path_factory):
     """1 worker × 1 slot of a demo model trained for 16,384 tokens, with all of them as the
-    slot's context: an 11,000-token prompt then takes seconds of prefill on these CPUs."""
+    slot's context: an 11,000-token prompt then takes seconds of prefill on these CPUs.
+    llama-server sends a prompt-progress event, where it finds a closed connection, after each
+    batch; with its default 2,048-token batches one took over 2 s on this machine under load
+    (the slot went idle 2.19 s after the client left, in a run beside three testers), so the
+    worker computes 512-token batches here (``-b 512``; the same work per token)."""
     tmp = tmp_path_factory.mktemp("gw_long")
     cfg = base_config(free_port())
-    cfg["models"][0].update(slots=1, cpu=1, context=16384,
+    cfg["models"][0].update(slots=1, cpu=1, context=16384, args=["-b", "512"],
                             path=str(write_demo_model(tmp / "long.gguf", n_ctx_train=16384)))
     gp = start_gateway(tmp, cfg)
     yield gp
