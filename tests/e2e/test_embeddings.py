@@ -112,6 +112,7 @@ def test_concurrent_batches_spread_without_mixing(gw):
     client = ollama.Client(host=gw.url)
     ref = {t: client.embed(model="embed", input=t).embeddings[0] for t in TEXTS[:3] + TEXTS[4:]}
     batches = [[TEXTS[(i + k) % 5] for k in range(5) if (i + k) % 5 != 3] for i in range(6)]
+    seen = len(gw.log_path.read_text().splitlines())  # this module's earlier requests: not these
 
     def run(batch):
         return batch, client.embed(model="embed", input=batch).embeddings
@@ -120,17 +121,24 @@ def test_concurrent_batches_spread_without_mixing(gw):
         results = list(ex.map(run, batches))
     for batch, vecs in results:
         assert [nearest(v, ref) for v in vecs] == batch
-    # Each input took its own lease: the access log shows batches served by both workers.
-    used = set()
-    for line in gw.log_path.read_text().splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if ev.get("event") == "request.done" and ev.get("path") == "/api/embed" \
-                and ev.get("model") == "embed:latest" and ev.get("worker"):
-            used.update(ev["worker"].split(","))
-    assert used == {"embed-cpu0", "embed-cpu1"}
+    # Each input took its own lease: the access log shows these batches served by both workers.
+    def log_of_these():
+        used, served = set(), 0
+        for line in gw.log_path.read_text().splitlines()[seen:]:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "request.done" and ev.get("path") == "/api/embed" \
+                    and ev.get("model") == "embed:latest" and ev.get("worker"):
+                used.update(ev["worker"].split(","))
+                served += 1
+        return served, used
+
+    end = time.monotonic() + 5  # request.done is written just after the answer
+    while (got := log_of_these())[0] < 6 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert got == (6, {"embed-cpu0", "embed-cpu1"}), got
 
 
 def test_empty_string_in_a_batch_is_embedded_or_named(gw):
