@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy.test_systemd_unit import _directives
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "install.sh"
 
@@ -145,15 +147,6 @@ def sandbox(service_user):
 
 def _mode(p: Path) -> int:
     return stat.S_IMODE(p.stat().st_mode)
-
-
-def _directives(text: str) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        if "=" in line and not line.startswith("#"):
-            k, v = line.split("=", 1)
-            out.setdefault(k, []).append(v)
-    return out
 
 
 # --- options -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import base_config, free_port
 from tests.e2e.test_watchdog import stream_lines, wait_for
-from tests.fakes import fake_binary
+from tests.fakes import fake_binary, hanging_binary
 
 pytestmark = pytest.mark.slow
 
@@ -120,10 +120,7 @@ def test_a_worker_that_hangs_at_every_start_is_failed_and_its_requests_refused(
     it failed: requests get the crash-loop 503 at once. The binary is a FAKE wrapper that sleeps
     forever for the model ``hang`` and runs llama-server for ``demo``."""
     from workers.provision import ensure_llama_server
-    wrapper = tmp_path / "hang-or-run"
-    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *hang:latest*) exec sleep 1000;; esac\n'
-                       f'exec "{ensure_llama_server()}" "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = hanging_binary(tmp_path, str(ensure_llama_server()), "hang:latest")
     cfg = base_config(free_port(), llama_server={
         "binary": str(wrapper), "threads": 1, "startup_timeout_s": 2, "crash_loop_window_s": 1,
         "crash_loop_restarts": 2, "restart_backoff_initial_s": 0.2, "failed_retry_s": 60},

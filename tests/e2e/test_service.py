@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, base_config, free_port, pid_alive, start_gateway
-from tests.fakes import slow_start_binary
+from tests.fakes import hanging_binary, slow_start_binary
 from workers.provision import ensure_llama_server
 
 pytestmark = pytest.mark.slow
@@ -120,11 +120,7 @@ def test_notify_ready_once_a_hanging_worker_ended_its_first_try(tmp_path):
     defaults, while the unit's ``TimeoutStartSec`` is 5 min (a fresh tester's find). READY=1 now
     comes once every worker is ready or has ended its first try; the hanging one goes on being
     restarted. Its binary is a FAKE wrapper that sleeps forever for the model ``hang``."""
-    real = ensure_llama_server()
-    wrapper = tmp_path / "hang-or-run"
-    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *hang:latest*) exec sleep 1000;; esac\n'
-                       f'exec "{real}" "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = hanging_binary(tmp_path, str(ensure_llama_server()), "hang:latest")
     sock, sock_path = _notify_socket(tmp_path)
     cfg = base_config(free_port(), llama_server={
         "binary": str(wrapper), "threads": 1, "startup_timeout_s": 3,

@@ -46,6 +46,17 @@ def paced_binary(tmp_path: Path, first_tps: float, other_tps: float) -> Path:
     return script
 
 
+def hanging_binary(tmp_path: Path, real: str, model: str) -> Path:
+    """A FAKE llama-server stand-in whose spawns for ``model`` (its full name, e.g.
+    ``hang:latest``, as the gateway passes it to ``--alias``) hang for ever without listening;
+    every other spawn execs the real llama-server ``real``."""
+    script = tmp_path / "hang-or-run"
+    script.write_text(f'#!/bin/sh\ncase "$*" in *{model}*) exec sleep 1000;; esac\n'
+                      f'exec "{real}" "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
 def is_fake(pid: int) -> bool:
     """True when the process is the FAKE server (its command line names the fake script)."""
     try:
