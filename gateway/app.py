@@ -30,7 +30,7 @@ from gateway.listen import address, bind_listen
 from gateway.logs import ServerLogger, get_logger
 from gateway.metrics import GatewayMetrics, worker_state
 from gateway.middleware import Guard, gateway_middleware, guard_middleware
-from gateway.notify import Notifier, fleet_status
+from gateway.notify import EXTEND_BY_S, EXTEND_EVERY_S, Notifier, fleet_status
 from gateway.reload import Reloader
 from gateway.scheduling import Dispatcher
 from gateway.upstream import Upstream
@@ -211,9 +211,9 @@ class Gateway:
                     log.info("gateway.ready", workers=len(sups),
                              failed=[s.id for s in sups if not s.ready])
                     self.notifier.ready(self.fleet_status())
-                elif time.monotonic() - extended >= 20.0:
+                elif time.monotonic() - extended >= EXTEND_EVERY_S:
                     extended = time.monotonic()
-                    self.notifier.extend_start(60.0)
+                    self.notifier.extend_start(EXTEND_BY_S)
             await asyncio.sleep(0.2)
 
     async def start(self) -> None:

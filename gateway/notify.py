@@ -30,6 +30,11 @@ from gateway.logs import get_logger
 
 log = get_logger("gateway.notify")
 
+#: While start-up goes on: ``EXTEND_TIMEOUT_USEC`` of this many seconds …
+EXTEND_BY_S = 60.0
+#: … sent every this many seconds.
+EXTEND_EVERY_S = 20.0
+
 
 class Notifier:
     """Sends sd_notify datagrams. Never raises: a send failure is logged once per kind."""
@@ -84,9 +89,13 @@ class Notifier:
         """``EXTEND_TIMEOUT_USEC``: start-up may take ``by_s`` seconds more from now."""
         self.send(EXTEND_TIMEOUT_USEC=int(by_s * 1e6))
 
-    async def extending(self, aw, status: str, every_s: float = 20.0, by_s: float = 60.0):
+    async def extending(self, aw, status: str, every_s: float | None = None,
+                        by_s: float | None = None):
         """Await ``aw`` while telling systemd that start-up goes on (``STATUS=status``, and
-        ``EXTEND_TIMEOUT_USEC`` of ``by_s`` s every ``every_s`` s); returns its result."""
+        ``EXTEND_TIMEOUT_USEC`` of ``by_s`` s every ``every_s`` s; :data:`EXTEND_BY_S` and
+        :data:`EXTEND_EVERY_S` by default); returns its result."""
+        every_s = EXTEND_EVERY_S if every_s is None else every_s
+        by_s = EXTEND_BY_S if by_s is None else by_s
         task = asyncio.ensure_future(aw)
         try:
             while True:

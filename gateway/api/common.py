@@ -11,6 +11,7 @@ import orjson
 from aiohttp import web
 
 from gateway.api.errors import ApiError
+from gateway.api.ollama_mapping import sampling_set_by
 from gateway.config import PRIORITY_LIMIT
 from gateway.logs import get_logger
 from gateway.scheduling import Ticket, TooLarge, TooManySlots
@@ -263,6 +264,5 @@ def operator_sampling(gw, name: str) -> frozenset[str]:
     """The sampling fields whose default the operator chose for model ``name`` with
     llama-server flags (``llama_server.extra_args`` and its ``models[].args``;
     ``ollama_mapping.sampling_set_by``): a request that leaves them out gets the worker's."""
-    from gateway.api.ollama_mapping import sampling_set_by
     m = gw.model_config(name)
     return sampling_set_by([*gw.config.llama_server.extra_args, *(m.args if m else ())])
