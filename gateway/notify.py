@@ -6,9 +6,9 @@ namespace). Keys used here (man sd_notify(3)):
 
 * ``READY=1``: start-up finished (sent once every worker is ready or has ended its first start
   attempt);
-* ``EXTEND_TIMEOUT_USEC=<µs>``: start-up is still making progress (a llama-server build, a
-  worker's first model load): systemd (≥ 236) then waits that much longer than
-  ``TimeoutStartSec`` from now;
+* ``EXTEND_TIMEOUT_USEC=<µs>``: start-up or a reload is still making progress (a llama-server
+  build, a worker's first model load, a reload's roll-out): systemd (≥ 236) then waits that
+  much longer than ``TimeoutStartSec`` (which also times reloads) from now;
 * ``RELOADING=1`` + ``MONOTONIC_USEC=<CLOCK_MONOTONIC µs>``: a reload began; ``READY=1`` ends it;
 * ``STOPPING=1``: shutdown began;
 * ``STATUS=<text>``: one line shown by ``systemctl status``;
@@ -91,9 +91,9 @@ class Notifier:
 
     async def extending(self, aw, status: str, every_s: float | None = None,
                         by_s: float | None = None):
-        """Await ``aw`` while telling systemd that start-up goes on (``STATUS=status``, and
-        ``EXTEND_TIMEOUT_USEC`` of ``by_s`` s every ``every_s`` s; :data:`EXTEND_BY_S` and
-        :data:`EXTEND_EVERY_S` by default); returns its result."""
+        """Await ``aw`` while telling systemd that start-up or a reload goes on
+        (``STATUS=status``, and ``EXTEND_TIMEOUT_USEC`` of ``by_s`` s every ``every_s`` s;
+        :data:`EXTEND_BY_S` and :data:`EXTEND_EVERY_S` by default); returns its result."""
         every_s = EXTEND_EVERY_S if every_s is None else every_s
         by_s = EXTEND_BY_S if by_s is None else by_s
         task = asyncio.ensure_future(aw)

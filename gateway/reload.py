@@ -148,10 +148,15 @@ class Reloader:
             # RELOADING=1 … READY=1 only once start-up's READY=1 was sent: a READY=1 before it
             # told systemd the service was up while no worker was (a fresh tester's find)
             told = gw.ready_sent
-            if told:
-                gw.notifier.reloading()
             try:
-                res = await self._reload()
+                if told:
+                    # systemd times the reload by TimeoutStartSec (300 s in the unit), and a
+                    # roll-out restarts changed workers one after another, each up to
+                    # startup_timeout_s: extend it while the reload goes on, as at start-up
+                    gw.notifier.reloading()
+                    res = await gw.notifier.extending(self._reload(), "reloading")
+                else:
+                    res = await self._reload()
             finally:
                 if told and not gw.stopping.is_set():  # after STOPPING=1, no READY=1 (a
                     gw.notifier.ready(gw.fleet_status())  # fresh tester's find)
