@@ -174,10 +174,12 @@ class Gateway:
         """A new worker process of ``model`` is ready: what an earlier one's ``/props`` said
         (chat template, vision) is asked again when next needed. A reload or restart that
         changed ``--chat-template-file`` kept the old template's capabilities until the
-        gateway restarted: tools refused, or accepted and dropped (a fresh tester's find)."""
+        gateway restarted: tools refused, or accepted and dropped (a fresh tester's find).
+        The chat-template renders learned by shape (``gateway.template_shapes``) go too."""
         entry = self.inventory.resolve(model) if self.inventory is not None else None
         if entry is not None:
             entry.worker_template, entry.worker_vision = None, False
+            entry.template_shapes.clear()
 
     def fleet_status(self) -> str:
         return fleet_status(self.worker_states())

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from gateway.config import normalize_model_name
 from gateway.logs import get_logger
+from gateway.template_shapes import TemplateShapes
 
 log = get_logger("gateway.inventory")
 
@@ -198,6 +199,8 @@ class ModelEntry:
     _digest_waited: bool = False  # a listing already waited for the unfinished hash
     worker_template: str | None = None   # chat template a worker reported in /props, if asked
     worker_vision: bool = False          # a worker reported modalities.vision in /props
+    #: chat-template renders learned by shape (api/render.py), dropped with worker_template
+    template_shapes: TemplateShapes = field(default_factory=TemplateShapes)
     last_used_s: float | None = None      # time.time() of the last request (touch)
 
     def touch(self, keep_alive_s: float | None = None) -> None:

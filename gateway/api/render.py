@@ -5,17 +5,20 @@ completion routes instead of its chat route: ``/api/generate`` and ``/api/chat``
 templated prompt).
 
 The text comes from side calls to a worker of the model (``gateway.worker_calls``): the chat
-template (llama-server ``/apply-template``) and an Ollama ``context`` detokenized in front
-(``/detokenize``).
+template (llama-server ``/apply-template``, or a render learned by the chat's shape:
+``gateway.template_shapes``) and an Ollama ``context`` detokenized in front (``/detokenize``).
 """
 
 from __future__ import annotations
 
 from gateway.api.errors import ApiError, admission_error
+from gateway.logs import get_logger
 from gateway.scheduling import QueueFull, Unavailable
 from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
 from gateway.upstream import UpstreamError
 from gateway.worker_calls import apply_template, detokenize, refuse_early
+
+log = get_logger("gateway.api.render")
 
 
 def upstream_error_text(e: UpstreamError) -> tuple[str, int]:
@@ -43,7 +46,7 @@ async def render_prompt(gw, model: str, msgs: list[dict] | None, *,
     try:
         refuse_early(gw, model)
         if msgs is not None:
-            text = await apply_template(gw, model, msgs, **(template_fields or {}))
+            text = await _apply_template(gw, model, msgs, template_fields)
         if context:
             text = await detokenize(gw, model, context) + text
         return text
@@ -52,3 +55,23 @@ async def render_prompt(gw, model: str, msgs: list[dict] | None, *,
     except UpstreamError as e:
         msg, status = upstream_error_text(e)
         raise ApiError(status, msg) from None
+
+
+async def _apply_template(gw, model: str, msgs: list, fields: dict | None) -> str:
+    """``msgs`` through the chat template: filled in from the shape the model's
+    ``TemplateShapes`` learned, or the worker's ``/apply-template`` (which, for a chat that may
+    be filled in but whose shape is new, renders the shape first; gateway/template_shapes.py).
+    Raises what ``apply_template`` raises."""
+    entry = gw.inventory.resolve(model) if gw.inventory is not None else None
+    shapes = entry.template_shapes if entry is not None else None
+    key = shapes.key(msgs, fields) if shapes is not None else None
+    if key is None:
+        return await apply_template(gw, model, msgs, **(fields or {}))
+    known = shapes.known(key)
+    if known is None:
+        shaped = await apply_template(gw, model, shapes.sentinel_messages(msgs), **(fields or {}))
+        known = shapes.learn(key, shaped, len(msgs))
+        log.debug("template.shape_learned", model=model, roles=list(key[0]), reusable=known)
+    if known:
+        return shapes.fill(key, msgs)
+    return await apply_template(gw, model, msgs, **(fields or {}))

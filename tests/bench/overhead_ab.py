@@ -16,7 +16,12 @@ on the gateway's core between its requests. The default (``none``) leaves placem
 kernel: on a small CPU-only machine the gateway then competes with the worker's threads and the
 client.
 
-Run: ``flock /tmp/bench.lock .venv/bin/python tests/bench/overhead_ab.py /tmp/base . [-n 300] [--pin workers|gateway]``
+``--templated`` sends ``/api/generate`` without ``raw``, so the gateway renders the prompt with
+the model's chat template (``/apply-template``, or a shape learned by
+``gateway.template_shapes``); direct requests get the worker's own render of the same chat,
+fetched once, so both sides compute the same prompt.
+
+Run: ``flock /tmp/bench.lock .venv/bin/python tests/bench/overhead_ab.py /tmp/base . [-n 300] [--pin workers|gateway] [--templated]``
 """
 
 from __future__ import annotations
@@ -97,10 +102,14 @@ def main() -> None:
     ap.add_argument("--pin", choices=("none", "workers", "gateway"), default="none",
                     help="workers: workers on the last CPU, the rest elsewhere; "
                          "gateway: gateways on the first CPU, the rest elsewhere")
+    ap.add_argument("--templated", action="store_true",
+                    help="/api/generate through the chat template (no raw); direct gets the "
+                         "worker's render of the same chat")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="overhead-ab-"))
     gws = [start(root.resolve(), tmp, i) for i, root in enumerate(a.trees)]
-    gbody = {"model": "demo", "prompt": "hello there", "raw": True, "options": {"num_predict": 16}}
+    gbody = {"model": "demo", "prompt": "hello there", "raw": not a.templated,
+             "options": {"num_predict": 16}}
     dbody = {"prompt": "hello there", "n_predict": 16, "stream": True}
     cpus = sorted(psutil.Process().cpu_affinity())
     if a.pin != "none" and len(cpus) < 2:
@@ -117,6 +126,11 @@ def main() -> None:
                 masks = ()
             for pid, mask in masks:
                 pin(pid, mask)
+            if a.templated:
+                dbody["prompt"] = httpx.post(
+                    f"http://127.0.0.1:{w['port']}/apply-template", timeout=30,
+                    headers={"Authorization": f"Bearer {worker_key(w['pid'])}"},
+                    json={"messages": [{"role": "user", "content": "hello there"}]}).json()["prompt"]
             targets.append((f"http://127.0.0.1:{w['port']}/completion",
                             {"Authorization": f"Bearer {worker_key(w['pid'])}"},
                             url + "/api/generate"))
