@@ -125,6 +125,45 @@ def test_spread_then_queue_bound_then_disconnects_free_slots(gw2):
     assert all(w["busy"] == 0 for w in st["workers"]) and st["queue"]["depth"] == 0
 
 
+def test_field_9_queued_requests_go_to_the_worker_that_frees_first(gw2):
+    """Field case 9, directly: 4 long generations fill both workers (2 + 2), 2 more wait in the
+    gateway. The 2 on one worker end (their clients leave): both queued requests start there at
+    once, while the other worker's 2 still run. Behind Ollama a request waits in the queue of
+    the runner it was given, however long its slots stay busy (ollama#9054)."""
+    streams, on = [], []
+    for _ in range(4):  # one at a time, so each stream's worker is the one whose count rose
+        before = busy_per_worker(gw2)
+        streams.append(Stream(gw2))
+        streams[-1].first()
+        after = wait_until(lambda: (lambda b: b if sum(b.values()) == len(streams) else None)(
+            busy_per_worker(gw2)))
+        assert after, busy_per_worker(gw2)
+        on.append(next(w for w in after if after[w] > before.get(w, 0)))
+    assert sorted(busy_per_worker(gw2).values()) == [2, 2]
+    first = on[0]
+    other = next(w for w in set(on) if w != first)
+    with cf.ThreadPoolExecutor(2) as ex:
+        queued = [ex.submit(Stream, gw2) for _ in range(2)]
+        assert wait_until(lambda: gateway_state(gw2)["queue"]["depth"] == 2)
+        for s, w in zip(streams, on):
+            if w == first:
+                s.kill()
+        queued = [q.result(timeout=10) for q in queued]
+    for q in queued:
+        assert q.first()
+    # both run on the worker that freed its slots; the other one's 2 generations go on
+    busy = busy_per_worker(gw2)
+    assert busy == {first: 2, other: 2}, busy
+    st = {w["id"]: w["busy"] for w in gateway_state(gw2)["workers"]}
+    assert st == {first: 2, other: 2}, st
+    for s, w in zip(streams, on):
+        if w == other:
+            assert s.first(), "the other worker's generation still streams"
+    for s in streams + queued:
+        s.kill()
+    assert wait_until(lambda: sum(busy_per_worker(gw2).values()) == 0), busy_per_worker(gw2)
+
+
 def _post_in_thread(url, body, timeout, headers=None):
     out = {}
 
