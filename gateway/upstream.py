@@ -34,8 +34,8 @@ from gateway.scheduling import SlotLease, Ticket, TooLarge, TooManySlots
 from gateway.texts import (KV_EXHAUSTED_MESSAGE, KV_EXHAUSTED_WORKER_TEXT, context_overflow,
                           shutting_down_running)
 from gateway.watchdog import StreamWatch, Watchdog
-from gateway.worker_http import (SpareConnections, WorkerConnectionError, WorkerPayloadError,
-                                 WorkerResponse, send)
+from gateway.worker_http import (SpareConnections, WorkerConnectionError, WorkerDown,
+                                 WorkerPayloadError, WorkerResponse, send)
 
 log = get_logger("gateway.upstream")
 
@@ -189,10 +189,12 @@ class Upstream:
     def abort_worker(self, worker_id: str, reason: str) -> int:
         """End the in-flight streams of a worker that went down (error line / event), and give
         up on the requests still waiting for its first response bytes: they are retried on
-        another worker at once. Those waited until the process was gone: a frozen (SIGSTOPped)
-        worker is stopped with SIGTERM, the grace, then SIGKILL, so its first request waited
-        the wedge detection plus ``stop_grace_s`` (24 s; a fresh tester's find)."""
-        self._abort_unanswered(WorkerConnectionError(f"worker {worker_id} {reason}"), worker_id)
+        another worker at once (``WorkerDown``; see :meth:`request` for when they are not).
+        Those waited until the process was gone: a frozen (SIGSTOPped) worker is stopped with
+        SIGTERM, the grace, then SIGKILL, so its first request waited the wedge detection plus
+        ``stop_grace_s`` (24 s; a fresh tester's find)."""
+        for resp in list(self._unanswered.get(worker_id, ())):
+            resp.abort(WorkerDown(f"worker {worker_id} {reason}"))
         return self.watchdog.abort_worker(worker_id, f"worker {worker_id} {reason}")
 
     @contextlib.contextmanager
@@ -205,13 +207,12 @@ class Upstream:
         finally:
             waiting.discard(resp)
 
-    def _abort_unanswered(self, exc: Exception, worker_id: str | None = None) -> None:
-        """Give up on the unanswered responses (of ``worker_id``; None: all): each request's
-        wait raises ``exc`` (headers) or sees its connection closed (answer)."""
-        for wid, waiting in self._unanswered.items():
-            if worker_id in (None, wid):
-                for resp in list(waiting):
-                    resp.abort(exc)
+    def _abort_unanswered(self, exc: Exception) -> None:
+        """Give up on every unanswered response: each request's wait raises ``exc`` (headers)
+        or sees its connection closed (answer)."""
+        for waiting in self._unanswered.values():
+            for resp in list(waiting):
+                resp.abort(exc)
 
     async def _until_answer(self, worker_id: str, resp: WorkerResponse, t_sent: float,
                             deadline: float) -> None:
@@ -226,7 +227,7 @@ class Upstream:
         ``timeouts.first_byte_s`` from ``t_sent`` (or the deadline) has passed: the watchdog
         then times the request out as it always did. Raises UpstreamError ``connection``
         (retried) when the connection breaks, ``shutdown`` when it broke because the drain
-        ran out (``end_running``)."""
+        ran out (``end_running``), and ``WorkerDown`` when ``abort_worker`` gave up on it."""
         seen, rest = [], b""
         try:
             with self._unanswered_while(worker_id, resp):  # abort_worker / end_running close it
@@ -251,6 +252,8 @@ class Upstream:
         except WorkerPayloadError as e:
             if self.admission.shutting_down:
                 raise UpstreamError(503, shutting_down_running(), "shutdown") from None
+            if isinstance(resp.aborted_by, WorkerDown):  # abort_worker: the worker went down
+                raise resp.aborted_by from None
             raise UpstreamError(502, f"worker {worker_id} stopped while it computed the "
                                      f"prompt: {e}", "connection") from None
         finally:
@@ -354,6 +357,7 @@ class Upstream:
         downstream = client.transport if client is not None else None
         # No read timeout here: the watchdog times the body (first byte, gaps, deadline).
         last: UpstreamError | None = None
+        went_down = False  # a worker of an earlier attempt went down while it computed this
         for attempt in range(self.attempts):
             # A free slot is taken at once; only a queued ticket needs the deadline's timer.
             try:
@@ -395,6 +399,9 @@ class Upstream:
                     self.watchdog.on_stall(lease.worker.id)
                     raise UpstreamError(504, f"worker {lease.worker.id} sent nothing within "
                                              f"{wait_s:g} s", "first_byte_timeout") from None
+                except WorkerDown as e:
+                    err, went_down = _down_error(e, lease.worker.id, went_down), True
+                    raise err from None
                 except WorkerConnectionError as e:
                     raise UpstreamError(502, f"worker {lease.worker.id} unreachable: {e}",
                                         "connection")
@@ -404,7 +411,11 @@ class Upstream:
                 if resp.status >= 400:
                     raise parse_error_body(resp.status, await resp.read())
                 if progress:
-                    await self._until_answer(lease.worker.id, resp, t_sent, deadline)
+                    try:
+                        await self._until_answer(lease.worker.id, resp, t_sent, deadline)
+                    except WorkerDown as e:
+                        err, went_down = _down_error(e, lease.worker.id, went_down), True
+                        raise err from None
             except UpstreamError as e:
                 e.worker = lease.worker.id
                 self._give_back(ticket.request_id, lease, resp, deadline, hold=False)
@@ -444,6 +455,21 @@ class Upstream:
                     client["events_streamed"] = client.get("events_streamed", 0) + resp.events
             return
         raise last or UpstreamError(502, "no worker answered")
+
+
+def _down_error(e: WorkerDown, worker_id: str, went_down: bool) -> UpstreamError:
+    """The error of a request whose worker went down before it answered (``abort_worker``):
+    ``connection``, retried on another worker, the first time; ``worker_down``, not retried,
+    when a worker of an earlier attempt went down while it computed this request too
+    (``went_down``). A request that freezes or crashes its worker was retried on each worker
+    of the model in turn and took all of them down (a fresh tester's find); a worker that goes
+    down for a cause of its own still has its requests tried elsewhere once."""
+    if went_down:
+        return UpstreamError(502, f"{e} while it computed this request, the second worker to "
+                                  f"go down under it; it is not tried on another (a request "
+                                  f"that freezes or crashes workers would take each in turn)",
+                             "worker_down")
+    return UpstreamError(502, f"worker {worker_id} unreachable: {e}", "connection")
 
 
 # What a client reads when the worker's connection ends mid-answer (crash, kill, restart); the

@@ -41,6 +41,11 @@ class WorkerConnectionError(ConnectionError):
     (nothing of the answer was received, so the request may be retried)."""
 
 
+class WorkerDown(WorkerConnectionError):
+    """The gateway gave up on a request's response because its worker went down (found
+    wedged, exited) before it answered."""
+
+
 class WorkerPayloadError(ConnectionError):
     """The response broke after its headers: connection lost mid-body, or bytes that are not
     HTTP/1.1."""
@@ -225,6 +230,7 @@ class WorkerResponse:
         self.answered = False
         #: SSE events of the answer read so far (``iter_sse_batches``; progress events left out)
         self.events = 0
+        self.aborted_by: Exception | None = None  # what :meth:`abort` gave up with
         if not progress:
             conn.body.on_first_data = self.note_answer
 
@@ -254,7 +260,9 @@ class WorkerResponse:
 
     def abort(self, exc: Exception) -> None:
         """Give up on the headers: a waiter in :meth:`wait_head` gets ``exc`` (not a
-        cancellation); the connection closes."""
+        cancellation); the connection closes. ``aborted_by`` keeps ``exc`` for a reader of
+        the body, which sees the connection lost."""
+        self.aborted_by = exc
         if not self._conn.head.done():
             self._conn.head.set_exception(exc)
         self.close()

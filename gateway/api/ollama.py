@@ -30,6 +30,7 @@ from gateway.api.capabilities import model_capabilities, require
 from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling, optional,
                                 read_json, start_stream, t0_ns, visible_entries)
 from gateway.api.errors import ApiError, admission_error, ollama_error, upstream_headers
+from gateway.api.grammar_checks import check_tools
 from gateway.api.render import render_prompt, upstream_error_text
 from gateway.api.ollama_mapping import (
     StreamState,
@@ -336,6 +337,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     gw = _gw(request)
     if tools:
         await require(gw, entry, "tools", body["model"])
+        check_tools(tools)
     if any_image:
         await require(gw, entry, "vision", body["model"])
     name = body["model"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from gateway.api.errors import CONTEXT_OVERFLOW_MESSAGE, ApiError
+from gateway.api.grammar_checks import check_schema
 from gateway.api.openai_fold import fold_tool_call_deltas
 from gateway.upstream import error_event
 
@@ -323,12 +324,14 @@ def parse_logprobs(body: dict) -> tuple[bool, int]:
 def format_fields(fmt, *, chat: bool) -> dict:
     """Ollama ``format`` → llama-server fields (Ollama runner mapping): ``"json"`` →
     ``response_format json_object`` (chat) / ``json_schema {}`` (/completion); a schema object →
-    ``response_format json_schema`` / ``json_schema``. Raises ApiError(400) otherwise."""
+    ``response_format json_schema`` / ``json_schema``. Raises ApiError(400) otherwise, and for a
+    schema the pinned llama-server cannot take (``grammar_checks.check_schema``)."""
     if fmt is None or fmt == "":
         return {}
     if fmt == "json":
         return {"response_format": {"type": "json_object"}} if chat else {"json_schema": {}}
     if isinstance(fmt, dict):
+        check_schema(fmt, "format")  # bounds that would freeze the worker: 400
         if chat:
             return {"response_format": {"type": "json_schema",
                                         "json_schema": {"name": "schema", "schema": fmt}}}

@@ -10,6 +10,7 @@ import orjson
 
 from gateway.api.capabilities import require
 from gateway.api.errors import ApiError
+from gateway.api.grammar_checks import check_grammar, check_schema, check_tools
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN, past_int64
 
 
@@ -47,6 +48,7 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
             raise ApiError(400, "tools must be a list of tool objects")
         if tools:  # as Ollama's /v1 (through /api/chat): 400 for a template without tools
             await require(gw, entry, "tools", name)
+            check_tools(tools)
         _named_tool_choice(body)
     if required == "messages":
         await _reasoning_effort(gw, entry, body)
@@ -77,6 +79,10 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
             raise ApiError(400, f"{k} must be {what}, got {_short(body[k])}")
     if body.get("response_format") is not None:
         _check_response_format(body["response_format"])
+    # llama-server's own fields, passed through: schemas and grammars that would freeze it
+    if isinstance(body.get("json_schema"), dict):
+        check_schema(body["json_schema"], "json_schema")
+    check_grammar(body.get("grammar"), "grammar")
     if body.get("logit_bias") is not None:
         _check_logit_bias(body["logit_bias"], entry.facts.n_vocab)
     if body.get("seed") is not None:  # llama-server replaced one past 64 bits by a fixed seed
@@ -167,7 +173,8 @@ def _check_response_format(rf: dict) -> None:
     """Raise ApiError(400) for a ``response_format`` llama-server would drop without a word: a
     ``type`` that is not one of OpenAI's strings (llama-server reads a non-string as absent and
     runs unconstrained; an unknown string it refuses itself), or a ``json_schema`` /
-    ``json_schema.schema`` / ``schema`` that is not an object (read as "any object")."""
+    ``json_schema.schema`` / ``schema`` that is not an object (read as "any object"); and a
+    schema the pinned llama-server cannot take (``grammar_checks.check_schema``)."""
     t = rf.get("type")
     if t not in _RESPONSE_FORMATS:
         raise ApiError(400, f"response_format.type must be one of 'text', 'json_object' or "
@@ -179,8 +186,10 @@ def _check_response_format(rf: dict) -> None:
         if js.get("schema") is not None and not isinstance(js["schema"], dict):
             raise ApiError(400, "response_format.json_schema.schema must be an object, got "
                                 f"{_short(js['schema'])}")
+        check_schema(js.get("schema"), "response_format.json_schema.schema")
     if t == "json_object" and rf.get("schema") is not None and not isinstance(rf["schema"], dict):
         raise ApiError(400, f"response_format.schema must be an object, got {_short(rf['schema'])}")
+    check_schema(rf.get("schema"), "response_format.schema")
 
 
 def _is_number(v) -> bool:

@@ -508,6 +508,40 @@ def test_a_request_waiting_on_a_frozen_worker_is_retried_when_it_is_found_wedged
     assert "wedged" in retried[0]["reason"], retried
 
 
+def test_a_request_that_freezes_workers_is_not_tried_on_a_third(tmp_path, gateway_factory):
+    """A request that freezes every worker that takes it (the FAKE worker's ``FREEZE-ME``, as a
+    schema llama-server's grammar parser loops on did; a fresh tester's find) was retried on
+    the model's next worker each time its worker was found wedged: 3 tries, 3 workers down,
+    for one request. It is tried on a second worker (its first could have gone down for a cause
+    of its own, as the SIGSTOP test above shows), not on a third: 502, and the third worker
+    keeps serving."""
+    binary = fake_binary(tmp_path, "marker", first_only=False)
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(binary), "liveness_interval_s": 0.5, "liveness_timeout_s": 1,
+        "stop_grace_s": 1}, scheduler={"prefix_affinity": False})
+    cfg["models"][0].update(cpu=3, slots=1)
+    gw = gateway_factory(cfg)
+    pids = {w["id"]: w["pid"] for w in gw.workers()}
+    assert len(pids) == 3 and all(is_fake(p) for p in pids.values())
+    r = httpx.post(gw.url + "/api/generate", timeout=120, json={
+        "model": "demo", "prompt": "FREEZE-ME", "raw": True, "stream": False,
+        "options": {"num_predict": 4}})
+    assert r.status_code == 502, r.text
+    assert "the second worker to go down under it; it is not tried on another" in r.json()["error"]
+    events = log_events(gw.log_path)
+    wedged = [e["worker"] for e in events if e.get("event") == "worker.wedged"]
+    retried = [e for e in events if e.get("event") == "upstream.retry"]
+    assert len(wedged) == 2 and len(set(wedged)) == 2, wedged
+    assert len(retried) == 1 and retried[0]["worker"] == wedged[0], retried
+    (spared,) = set(pids) - set(wedged)
+    now = {w["id"]: w for w in gw.workers()}
+    assert now[spared]["pid"] == pids[spared] and now[spared]["restarts"] == 0, now[spared]
+    ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "hello", "raw": True, "stream": False,
+        "options": {"num_predict": 4}})
+    assert ok.status_code == 200, ok.text
+
+
 def test_wedged_worker_streams_end_with_error_and_it_restarts(tmp_path, gateway_factory):
     """Case 11: a worker that stops mid-stream, whose /slots hangs and which ignores SIGTERM.
     Liveness (/slots with a timeout) marks it wedged: its stream ends with an error line,

@@ -17,7 +17,10 @@ says:
   The first completion whose body contains ``LEAK_MARKER`` (``LEAK-ME``) takes a slot, sends
   nothing and never gives the slot back, even after its client left (a leaked slot: ``/slots``
   shows it busy with that request's ``id_task`` and nothing decoded, for good); later ones are
-  handled like ``STALL-ME``, so the worker keeps its other slots working. Every other
+  handled like ``STALL-ME``, so the worker keeps its other slots working. A completion whose
+  body contains ``FREEZE_MARKER`` (``FREEZE-ME``) freezes the whole process (its event loop
+  sleeps: ``/slots``, ``/health`` and every other request go unanswered; SIGTERM still ends
+  it), as a request that sends llama-server's main loop into an endless loop does. Every other
   ``/completion`` (what ``/api/generate`` with ``raw`` uses) streams ``n_predict``
   tokens (at most 64) and ends like llama-server's (``stop_type`` ``limit``, ``timings``); other
   completion routes answer 501. ``/health``, ``/slots`` (a new ``id_task`` per
@@ -50,6 +53,7 @@ from fake_common import health, key_auth  # noqa: E402
 
 STALL_MARKER = "STALL-ME"
 LEAK_MARKER = "LEAK-ME"
+FREEZE_MARKER = "FREEZE-ME"
 
 
 class FakeSlots:
@@ -155,6 +159,8 @@ def main(argv: list[str]) -> None:
         return resp
 
     async def answer_or_stall(request, body: bytes):
+        if FREEZE_MARKER.encode() in body:
+            time.sleep(3600)  # blocks the event loop: the whole worker stops answering
         i = await fake_slots.take()
         if LEAK_MARKER.encode() in body and not leaked:
             leaked.append(i)

@@ -1,0 +1,74 @@
+"""gateway.api.grammar_checks: schemas and grammars that would freeze the pinned llama-server
+are refused with 400; everything else passes to the worker unchanged."""
+
+import pytest
+
+from gateway.api.errors import ApiError
+from gateway.api.grammar_checks import COUNT_MAX, check_grammar, check_schema, check_tools
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"type": "array", "minItems": 5, "maxItems": 2}, "format: minItems (5) is greater than maxItems (2)"),
+    ({"type": "string", "minLength": 3, "maxLength": 1}, "format: minLength (3) is greater than maxLength (1)"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string",
+      "minLength": 9, "maxLength": 8}}}}, "format.properties.tags.items: minLength (9)"),
+    ({"anyOf": [{"type": "string"}, {"type": "array", "minItems": 2, "maxItems": 1}]},
+     "format.anyOf[1]: minItems (2)"),
+    ({"$defs": {"a": {"type": "array", "minItems": 3, "maxItems": 0}}, "$ref": "#/$defs/a"},
+     "format.$defs.a: minItems (3)"),
+    ({"type": "array", "minItems": 5, "maxItems": 2**32 + 1}, f"maxItems must be at most {COUNT_MAX}"),
+    ({"type": "object", "minProperties": 2, "maxProperties": 1}, "minProperties (2)"),
+    ({"type": "integer", "minimum": 10, "maximum": 1}, "minimum (10) and maximum (1) leave no number"),
+    ({"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 5}, "exclusiveMinimum (5)"),
+    ({"type": "number", "minimum": 5, "exclusiveMaximum": 5}, "minimum (5) and exclusiveMaximum (5)"),
+])
+def test_unsatisfiable_bounds_are_400_naming_where(schema, says):
+    with pytest.raises(ApiError) as e:
+        check_schema(schema, "format")
+    assert e.value.status == 400 and says in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "minItems": 2, "maxItems": 2},
+    {"type": "string", "minLength": 0, "maxLength": 5000},
+    {"type": "integer", "minimum": 1, "maximum": 1},
+    {"type": "integer", "minimum": 1, "exclusiveMaximum": 2},
+    {"type": "object", "properties": {"minItems": {"type": "integer"}, "maxItems": {"type": "integer"}}},
+    {"enum": [{"minItems": 5, "maxItems": 2}], "default": {"minLength": 3, "maxLength": 1}},
+    {"type": "array", "minItems": True, "maxItems": 0},  # not counts: the worker's own 400
+    {"type": "string", "minLength": "3", "maxLength": 1},
+])
+def test_satisfiable_or_other_schemas_pass(schema):
+    check_schema(schema, "format")
+
+
+@pytest.mark.parametrize("grammar, bad", [
+    ('root ::= "a"{5,2}', True),
+    ('root ::= [a-z]{ 3 , 1 }', True),
+    ('root ::= x{2,5}\nx ::= "y"', False),
+    ('root ::= "a"{3}', False),
+    ('root ::= "a"{3,}', False),
+    ('root ::= "{5,2}"', False),       # inside a literal
+    ('root ::= ["{5,2}"] "b"', False),  # inside a class
+    ('root ::= "\\"{5,2}" "b"', False),  # an escaped quote does not end the literal
+    ('# {5,2} in a comment\nroot ::= "a"', False),
+])
+def test_grammar_repetitions_with_max_below_min_are_400(grammar, bad):
+    if bad:
+        with pytest.raises(ApiError) as e:
+            check_grammar(grammar, "grammar")
+        assert e.value.status == 400 and "has its maximum below its minimum" in e.value.message
+    else:
+        check_grammar(grammar, "grammar")
+    check_grammar(None, "grammar")  # absent: nothing to check
+
+
+def test_tool_parameters_are_checked():
+    good = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    bad = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"xs": {"type": "array", "minItems": 4, "maxItems": 3}}}}}
+    check_tools([good])
+    check_tools("not a list")
+    with pytest.raises(ApiError) as e:
+        check_tools([good, bad])
+    assert "tools[1].function.parameters.properties.xs: minItems (4)" in e.value.message

@@ -1,0 +1,71 @@
+"""Schemas and grammars that freeze the pinned llama-server are refused with 400 before any
+worker sees them, on every route that takes one; the worker is never wedged and serves on.
+
+A fresh tester's find: ``format: {"type": "array", "minItems": 5, "maxItems": 2}`` made the
+worker's grammar parser loop (``n - m`` repetitions as an unsigned 64-bit number); the gateway
+found it wedged after about 15 s, killed it, and retried the request on the model's other
+workers, which froze in turn: one request, a 502 after 39 s, and every worker restarted."""
+
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import base_config, free_port
+
+pytestmark = pytest.mark.slow
+
+BAD = {"type": "array", "minItems": 5, "maxItems": 2}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 1}}}}}]
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gateway_factory):
+    from tests.e2e.compat_helpers import TOOLS_TEMPLATE
+    tpl = tmp_path / "tools.jinja"
+    tpl.write_text(TOOLS_TEMPLATE)
+    cfg = base_config(free_port(), models=[{"name": "demo", "path": "builtin:demo", "slots": 2,
+                                            "context": 512, "cpu": 1,
+                                            "args": ["--chat-template-file", str(tpl)]}])
+    gw = gateway_factory(cfg)
+    opts = {"options": {"num_predict": 4}, "stream": False}
+    cases = [
+        ("/api/generate", {"model": "demo", "prompt": "hi", "format": BAD, **opts},
+         "format: minItems (5) is greater than maxItems (2)"),
+        ("/api/chat", {"model": "demo", "messages": MSGS, "format": BAD, **opts},
+         "format: minItems (5)"),
+        ("/api/chat", {"model": "demo", "messages": MSGS, "tools": TOOLS, **opts},
+         "tools[0].function.parameters.properties.s: minLength (3)"),
+        ("/v1/chat/completions", {"model": "demo", "messages": MSGS, "max_tokens": 4,
+                                  "response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "x", "schema": BAD}}},
+         "response_format.json_schema.schema: minItems (5)"),
+        ("/v1/chat/completions", {"model": "demo", "messages": MSGS, "max_tokens": 4,
+                                  "tools": TOOLS, "tool_choice": "required"},
+         "tools[0].function.parameters.properties.s"),
+        ("/v1/chat/completions", {"model": "demo", "messages": MSGS, "max_tokens": 4,
+                                  "grammar": 'root ::= "a"{5,2}'},
+         "grammar: repetition {5,2} has its maximum below its minimum"),
+        ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4,
+                             "json_schema": {"type": "string", "minLength": 9, "maxLength": 2}},
+         "json_schema: minLength (9)"),
+    ]
+    for path, body, says in cases:
+        t0 = time.monotonic()
+        r = httpx.post(gw.url + path, json=body, timeout=60)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        assert time.monotonic() - t0 < 5
+        err = r.json()["error"]
+        text = err if path.startswith("/api/") else err["message"]  # each API's error shape
+        assert says in text, (path, text)
+    # the same shapes with bounds that can be met are served
+    ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "hi", "format": {**BAD, "minItems": 1}, **opts})
+    assert ok.status_code == 200, ok.text
+    ok = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "messages": MSGS, "max_tokens": 4, "grammar": 'root ::= "a"{2,5}'})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in (
+        "aa", "aaa", "aaaa", "aaaaa"), ok.text
+    w = gw.workers()[0]
+    assert w["state"] == "ready" and w["restarts"] == 0, w  # never wedged
