@@ -76,6 +76,17 @@ class GGUFFacts:
     chat_template: str = ""
     has_fim: bool = False    # vocab has fill-in-the-middle tokens (the ``insert`` capability)
     n_vocab: int = 0         # tokens in the vocabulary (len of tokenizer.ggml.tokens)
+    #: Longest vocabulary piece in UTF-8 bytes, for tokenizers that keep every input byte
+    #: (byte-level BPE ``gpt2``, SentencePiece ``llama``); 0 for others (WordPiece, Unigram
+    #: normalise text and may drop characters). See :meth:`min_tokens`.
+    max_token_bytes: int = 0
+
+    def min_tokens(self, text_bytes: int) -> int:
+        """The fewest tokens a text of ``text_bytes`` UTF-8 bytes can take (0: unknown). A
+        byte-level BPE piece spells the bytes it stands for with one or two UTF-8 bytes each,
+        and a SentencePiece one spells a space as the 3-byte ``▁``, so no token stands for more
+        bytes than its piece has."""
+        return -(-text_bytes // self.max_token_bytes) if self.max_token_bytes else 0
 
     @classmethod
     def read(cls, path: Path) -> "GGUFFacts":
@@ -86,6 +97,7 @@ class GGUFFacts:
         has_fim = any(k in r.fields for k in _FIM_KEYS)
         tok_field = r.fields.get("tokenizer.ggml.tokens")
         n_vocab = len(tok_field.data) if tok_field is not None else 0
+        max_token_bytes = _max_piece_bytes(r, tok_field)
         for name, f in r.fields.items():
             if name.startswith("GGUF."):
                 continue
@@ -103,7 +115,8 @@ class GGUFFacts:
         ft = kv.get("general.file_type")
         facts = cls(architecture=str(kv.get("general.architecture", "")), kv=kv,
                     n_params=n_params, file_type=_FTYPES.get(ft, str(ft) if ft is not None else ""),
-                    chat_template=str(kv.get("tokenizer.chat_template") or ""), has_fim=has_fim, n_vocab=n_vocab)
+                    chat_template=str(kv.get("tokenizer.chat_template") or ""), has_fim=has_fim, n_vocab=n_vocab,
+                    max_token_bytes=max_token_bytes)
         kv.pop("tokenizer.chat_template", None)
         return facts
 
@@ -141,6 +154,22 @@ def slot_context(configured: int, trained: int) -> int:
 _FIM_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id")
 _FIM_TEXTS = {"<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "▁<PRE>", "<|fim_begin|>",
               "<｜fim▁begin｜>", "<|fim▁begin|>"}
+
+
+#: ``tokenizer.ggml.model`` values whose tokenizers keep every input byte (llama.cpp
+#: llama-vocab.cpp: byte-level BPE, and SentencePiece with byte fallback).
+_LOSSLESS_TOKENIZERS = ("gpt2", "llama")
+
+
+def _max_piece_bytes(r, tok_field) -> int:
+    """``GGUFFacts.max_token_bytes`` of the open GGUF ``r``."""
+    try:
+        model = r.fields.get("tokenizer.ggml.model")
+        if tok_field is None or model is None or model.contents() not in _LOSSLESS_TOKENIZERS:
+            return 0
+        return max((len(tok_field.parts[i]) for i in tok_field.data), default=0)
+    except Exception:  # an odd vocab must not stop the gateway
+        return 0
 
 
 def _vocab_has_fim(f) -> bool:

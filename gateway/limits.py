@@ -228,7 +228,8 @@ async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> i
     count, ``gateway.sizing.estimate``), else None.
 
     A prompt longer than the context in bytes is counted by a worker's ``/tokenize``, unless
-    admission would refuse the request at once (``Admission.would_refuse``: full queue, no
+    its bytes alone need more tokens than the context (``GGUFFacts.min_tokens``: refused at
+    once), or admission would refuse the request at once (``Admission.would_refuse``: full queue, no
     worker can serve it): then nothing is asked and the handler gets admission's answer
     without waiting for that side call (the scheduler's estimate and the worker still refuse a
     prompt that does not fit).
@@ -251,6 +252,11 @@ async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> i
                        else gw.config.scheduler.bytes_per_token)
                 counted = held + math.ceil(size / bpt)
             continue
+        least = entry.facts.min_tokens(size)
+        if least + held >= ctx:  # too long whatever the tokenizer makes of it: no /tokenize
+            # of tens of MB (it outlasted every try and the workers tokenized on after the
+            # client left; a fresh tester's find)
+            raise ApiError(400, context_overflow(least + held, ctx, at_least=True))
         if gw.admission.would_refuse(entry.name) is not None:
             return None
         n = await _count_tokens(gw, entry.name, text)

@@ -22,10 +22,12 @@ def header_text(value: str) -> str:
     return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def context_overflow(prompt_tokens: int, n_ctx: int, approx: bool = False) -> str:
+def context_overflow(prompt_tokens: int, n_ctx: int, approx: bool = False,
+                     at_least: bool = False) -> str:
     """Ollama's over-long-prompt text plus the numbers (tokens): one message for every place
-    that finds it (the exact /tokenize check, the scheduler's estimate, the worker's own 400)."""
-    about = "about " if approx else ""
+    that finds it (the exact /tokenize check, the scheduler's estimate, the worker's own 400,
+    the fewest tokens the prompt's bytes can take: ``at_least``)."""
+    about = "at least " if at_least else "about " if approx else ""
     return (f"{CONTEXT_OVERFLOW_MESSAGE} (prompt: {about}{prompt_tokens} tokens, "
             f"context per slot: {n_ctx} tokens)")
 
@@ -96,6 +98,13 @@ def side_call_failed(model: str, path: str, why: str) -> str:
     logged)."""
     return (f"no worker of model '{model}' answered {path} ({why}); the gateway tried every "
             f"worker in rotation, please retry")
+
+
+def side_call_too_big(model: str, path: str, size: int, timeout_s: float) -> str:
+    """A side call ``path`` of ``size`` bytes that a worker of ``model`` did not answer within
+    ``timeout_s`` seconds: not retried (``worker_calls.BIG_BODY_BYTES``)."""
+    return (f"a worker of model '{model}' did not answer {path} within {timeout_s:g} s for "
+            f"{size / 2**20:.1f} MiB of input; input this large is not sent again; send less")
 
 
 def side_call_unsupported(model: str, path: str, status: int) -> str:

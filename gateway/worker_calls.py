@@ -12,8 +12,8 @@ a restart or reload drains first), in the order of ``gateway.scheduling.side_cal
 worker that serves or served the request first when it is still in rotation, workers whose side
 call just failed last. Each try is bounded by ``timeout_s`` (default
 ``llama_server.liveness_timeout_s``: a side call costs no more than the liveness probe's
-``/slots``); a transport error, a timeout or a worker's 503 is retried on another worker in
-rotation (or, with none left untried, on the same ones after a short pause) until the call's
+``/slots``); a transport error, a timeout (unless the body is over :data:`BIG_BODY_BYTES`: then
+it is the body's size) or a worker's 503 is retried on another worker in rotation (or, with none left untried, on the same ones after a short pause) until the call's
 waiting time is over. With no worker in rotation the call waits like admission does (up to
 ``wait_s``, default ``queue.timeout_s``, and never past the request deadline
 ``timeouts.request_s``), or raises admission's refusal at once when waiting cannot help.
@@ -31,11 +31,15 @@ import orjson
 from gateway.logs import get_logger
 from gateway.scheduling.side_calls import SideCallRouter
 from gateway.scheduling.worker_view import WorkerView
-from gateway.texts import no_ready_worker, side_call_failed, side_call_unsupported
+from gateway.texts import (no_ready_worker, side_call_failed, side_call_too_big,
+                          side_call_unsupported)
 from gateway.upstream import Endpoint, UpstreamError, current_request, parse_error_body
 
 log = get_logger("gateway.worker_calls")
 router = SideCallRouter()
+
+#: A side call whose body is larger (bytes) is not retried after a timeout.
+BIG_BODY_BYTES = 1 << 20
 
 
 class _Retry(Exception):
@@ -67,10 +71,10 @@ def refuse_early(gw, model: str) -> None:
         raise why
 
 
-async def _send(gw, ep: Endpoint, path: str, body: dict | None, timeout_s: float,
+async def _send(gw, ep: Endpoint, path: str, body: bytes | None, timeout_s: float,
                 model: str) -> dict:
-    """One try; the JSON reply. Raises UpstreamError for a worker's error answer (not 503),
-    ``_Retry`` for a transport fault, a timeout or a 503."""
+    """One try of ``body`` (JSON bytes; None: GET); the JSON reply. Raises UpstreamError for a
+    worker's error answer (not 503), ``_Retry`` for a transport fault, a timeout or a 503."""
     headers = {"Authorization": f"Bearer {ep.api_key}", "Content-Type": "application/json"}
     timeout = aiohttp.ClientTimeout(total=None)
     try:
@@ -78,8 +82,8 @@ async def _send(gw, ep: Endpoint, path: str, body: dict | None, timeout_s: float
             if body is None:
                 cm = gw.upstream.session.get(ep.url + path, headers=headers, timeout=timeout)
             else:
-                cm = gw.upstream.session.post(ep.url + path, data=orjson.dumps(body),
-                                              headers=headers, timeout=timeout)
+                cm = gw.upstream.session.post(ep.url + path, data=body, headers=headers,
+                                              timeout=timeout)
             async with cm as resp:
                 data = await resp.read()
     except TimeoutError:
@@ -127,7 +131,9 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
     Raises: an ``Unavailable`` at once when no worker can come into rotation without an operator
     (as admission); UpstreamError: 503 when no worker came into rotation in time, the worker's
     status and message when it answered an error, 502/503/504 (``side_call``) when every try
-    failed in transport, timed out or got a 503.
+    failed in transport, timed out or got a 503, or at once when a try of a body over
+    :data:`BIG_BODY_BYTES` timed out; 504 ``deadline`` (``request deadline exceeded``) once the
+    request's deadline has passed.
     """
     hard = gw.upstream.request_deadline()  # the client request's own deadline, if any
     client = current_request.get()
@@ -136,6 +142,7 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
     if hard is not None:
         until = min(until, hard)
     per_try = timeout_s or gw.config.llama_server.liveness_timeout_s
+    data = None if body is None else orjson.dumps(body)
     tried: dict[str, int] = {}
     last: _Retry | None = None
     while True:
@@ -160,16 +167,26 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
         ep = fit[wid][1]
         if last is not None and tried.get(wid) and time.monotonic() >= until:
             raise _failed(model, path, last)  # every one tried, and time is up
-        limit = per_try if hard is None else max(0.001, min(per_try, hard - time.monotonic()))
+        if hard is not None and time.monotonic() >= hard:  # not "no worker answered"
+            raise UpstreamError(504, "request deadline exceeded", "deadline")
+        limit = per_try if hard is None else min(per_try, hard - time.monotonic())
         try:
-            reply = await _send(gw, ep, path, body, limit, model)
+            reply = await _send(gw, ep, path, data, limit, model)
         except _Retry as e:
             router.failed(wid, time.monotonic())
             tried[wid] = tried.get(wid, 0) + 1
             last = e
             log.warning("worker_call.failed", model=model, path=path, worker=wid,
                         url=ep.url, request_id=rid, attempt=sum(tried.values()),
-                        error=e.detail)
+                        error=e.detail, bytes=len(data or b""))
+            if e.detail == "timeout" and hard is not None and time.monotonic() >= hard - 0.01:
+                raise UpstreamError(504, "request deadline exceeded", "deadline")
+            if e.detail == "timeout" and len(data or b"") > BIG_BODY_BYTES:
+                # the call's own size, not the worker, is the likely cause: every retry sent
+                # it again, and each worker worked on every abandoned copy (a fresh tester's
+                # find: 30 tries of a 60 MB prompt in 3 minutes, gigabytes per worker)
+                raise UpstreamError(504, side_call_too_big(model, path, len(data), limit),
+                                    "side_call")
             if tried[wid] > 1:  # back on a worker already tried: do not spin
                 await asyncio.sleep(min(1.0, 0.1 * tried[wid]))
             continue

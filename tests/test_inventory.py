@@ -89,3 +89,25 @@ def test_an_unreadable_file_gets_the_provisional_digest_and_is_tried_again(tmp_p
             break
         time.sleep(0.02)
     assert got == hashlib.sha256(b"abc").hexdigest()
+
+
+def test_fewest_tokens_a_text_can_take_from_the_longest_vocabulary_piece(tmp_path):
+    """``GGUFFacts.min_tokens``: bytes over the longest piece, for a tokenizer that keeps every
+    byte (the demo model's byte-level BPE: its longest piece is 13 bytes); unknown (0) for one
+    that normalises text (WordPiece ``bert`` here: a GGUF whose tokenizer model says so)."""
+    import gguf
+
+    from workers.demo_model import ensure_demo_model
+    facts = inventory.GGUFFacts.read(ensure_demo_model())
+    assert facts.max_token_bytes == 13
+    assert [facts.min_tokens(n) for n in (0, 1, 13, 14, 26, 27)] == [0, 1, 1, 2, 2, 3]
+    path = tmp_path / "wpm.gguf"
+    w = gguf.GGUFWriter(str(path), "bert")
+    w.add_tokenizer_model("bert")
+    w.add_token_list(["[PAD]", "hello", "##world"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    wpm = inventory.GGUFFacts.read(path)
+    assert wpm.n_vocab == 3 and wpm.max_token_bytes == 0 and wpm.min_tokens(10**6) == 0

@@ -101,6 +101,15 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
     payload = text
     # A byte-level token is at least one byte, so only texts this long can exceed the limit.
     if isinstance(text, str) and len(text.encode()) + 2 > limit:
+        least = entry.facts.min_tokens(len(text.encode()))
+        if least + 1 > limit:  # too long whatever the tokenizer makes of it
+            if not truncate:
+                raise ApiError(400, TOO_LONG)
+            # its first `limit` tokens lie within this many bytes (characters are >= 1 byte);
+            # 16 tokens more keep the cut away from them: tens of MB are not sent to
+            # /tokenize (they outlasted every try, and the worker tokenized on after the
+            # client left; a fresh tester's find)
+            text = text[:(limit + 16) * entry.facts.max_token_bytes]
         toks = await tokenize(gw, entry.name, text)
         if len(toks) + 1 > limit:  # +1: the worker may add BOS
             if not truncate:

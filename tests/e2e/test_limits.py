@@ -154,6 +154,95 @@ def test_prompt_longer_than_slot_context_400(gateway_factory):
     assert e.value.body["message"].startswith(CONTEXT_OVERFLOW_MESSAGE)
 
 
+def test_prompts_of_megabytes_are_refused_without_a_worker_tokenizing_them(gateway_factory):
+    """A 60 MB ``/api/generate`` (within the default 64 MiB body limit) got no answer in 3
+    minutes: the prompt-length ``/tokenize`` and then the template render timed out on each
+    worker and were sent again, 30 times, and the workers went on tokenizing every abandoned
+    copy (2.7 GB each; a fresh tester's find). A prompt whose bytes alone need more tokens than
+    the context (the demo vocabulary's longest piece is 13 bytes) is refused at once, before
+    any side call; an embedding input that long is cut to the bytes its first tokens can span
+    before it is tokenized."""
+    cfg = base_config(free_port(), log={"level": "debug", "format": "json"}, models=[
+        {"name": "demo", "path": "builtin:demo", "slots": 1, "context": 2048, "cpu": 1},
+        {"name": "emb", "path": "builtin:demo", "slots": 1, "context": 256, "cpu": 1,
+         "embeddings": True}])
+    gw = gateway_factory(cfg)
+    big = "word " * (20 * 2**20 // 5)  # 20 MiB
+    msgs = [{"role": "user", "content": big}]
+    for path, body, shape in [
+            ("/api/generate", {"model": "demo", "prompt": big, "stream": False}, "ollama"),
+            ("/api/chat", {"model": "demo", "messages": msgs}, "ollama"),
+            ("/v1/chat/completions", {"model": "demo", "messages": msgs}, "openai")]:
+        t0 = time.monotonic()
+        r = httpx.post(gw.url + path, json=body, timeout=60)
+        took = time.monotonic() - t0
+        assert r.status_code == 400, (path, r.text[:300])
+        msg = r.json()["error"] if shape == "ollama" else r.json()["error"]["message"]
+        least = -(-len(big) // 13)  # bytes over the longest piece's 13
+        assert msg.startswith(CONTEXT_OVERFLOW_MESSAGE) and f"(prompt: at least {least} tokens" in msg, msg
+        assert took < 10, (path, took)  # the body's upload and parse; no worker call
+    # embeddings: truncated as the first tokens of the text, without tokenizing 12 MB
+    head = "word " * 600  # more than the 256-token context already
+    t0 = time.monotonic()
+    long = httpx.post(gw.url + "/api/embed", json={"model": "emb", "input": "word " * (12 * 2**20 // 5)},
+                      timeout=60)
+    took = time.monotonic() - t0
+    short = httpx.post(gw.url + "/api/embed", json={"model": "emb", "input": head}, timeout=60)
+    assert long.status_code == 200 and short.status_code == 200, (long.text[:300], short.text)
+    assert took < 10, took
+    assert long.json()["embeddings"] == short.json()["embeddings"]
+    assert long.json()["prompt_eval_count"] == short.json()["prompt_eval_count"]
+    r = httpx.post(gw.url + "/api/embed", timeout=60, json={
+        "model": "emb", "input": "word " * (12 * 2**20 // 5), "truncate": False})
+    assert r.status_code == 400 and "exceeds the context length" in r.json()["error"], r.text
+    tokenized = [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
+                 if '"/tokenize"' in ln and '"worker_call.' in ln]
+    assert all(t.get("bytes", 0) < 2**20 for t in tokenized), tokenized  # none of the big ones
+    assert not [t for t in tokenized if t["event"] == "worker_call.failed"], tokenized
+
+
+def test_a_side_call_of_over_a_mebibyte_that_times_out_is_not_sent_again(tmp_path,
+                                                                          gateway_factory):
+    """A side call's try that times out is sent again to the next worker, but one of over
+    1 MiB timed out for its own size: each try sent it again and each worker went on with
+    every abandoned copy (a fresh tester's find). Such a try is the last. A demo model trained
+    for 262,144 tokens lets a 1.5 MB prompt pass the byte bound (131,072 × 13 bytes) to the
+    prompt-length ``/tokenize``, whose tries are cut at 50 ms here (``liveness_timeout_s``;
+    the liveness probe itself is kept out of the way); the request still gets the scheduler's
+    estimate's 400."""
+    from workers.demo_model import write_demo_model
+    model = write_demo_model(tmp_path / "long.gguf", n_ctx_train=262144)
+    cfg = base_config(free_port(), log={"level": "debug", "format": "json"},
+                      llama_server={"threads": 1, "liveness_interval_s": 3600,
+                                    "liveness_timeout_s": 0.05},
+                      models=[{"name": "demo", "path": str(model), "slots": 1,
+                               "context": 131072, "cpu": 2}])
+    gw = gateway_factory(cfg)
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "word " * 300_000, "raw": True, "stream": False})
+    assert r.status_code == 400 and r.json()["error"].startswith(CONTEXT_OVERFLOW_MESSAGE), r.text
+    failed = [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
+              if '"worker_call.failed"' in ln and '"/tokenize"' in ln]
+    assert len(failed) == 1 and failed[0]["bytes"] > 2**20, failed
+
+
+def test_generate_past_its_deadline_says_so(gateway_factory):
+    """An ``/api/generate`` whose side call (the template render first, the final
+    ``context``) began after ``timeouts.request_s`` ran out answered "no worker of model
+    'demo:latest' answered /tokenize (no answer within 0.001 s); the gateway tried every worker
+    in rotation, please retry", though the workers were fine and a retry would end the same
+    way (a fresh tester's find). It answers with the deadline's own words, as ``/api/chat``
+    does. A deadline of 1 ms has run out before the render."""
+    cfg = base_config(free_port(), timeouts={"request_s": 0.001})
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = gateway_factory(cfg)
+    for stream in (False, True):
+        r = httpx.post(gw.url + "/api/generate", timeout=30, json={
+            "model": "demo", "prompt": "s", "stream": stream, "options": {"num_predict": 8}})
+        assert r.status_code == 504, r.text
+        assert r.json() == {"error": "request deadline exceeded"}, r.text
+
+
 def test_generate_context_counts_as_its_tokens_not_its_text(gateway_factory):
     """An ``/api/generate`` ``context`` (the token ids a previous answer returned) is detokenized
     in front of the prompt; its text's bytes badly overestimate its tokens (a repeated word is 5
