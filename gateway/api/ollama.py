@@ -174,6 +174,17 @@ def _args_text(args) -> str:
     return orjson.dumps(args if args is not None else {}).decode()
 
 
+async def _think_default(gw, entry: ModelEntry, think, fmt) -> object:
+    """``think`` as the template gets it: left out on a model with the ``thinking``
+    capability, True, as Ollama forces it (routes.go; shared/reference/ollama-api.md). The
+    worker's own default was off for templates llama-server does not take for reasoning ones,
+    so such a model never thought unless asked (a fresh tester's find). Not with a ``format``,
+    whose grammar would cover the reasoning too; as before."""
+    if think is None and not fmt and "thinking" in await model_capabilities(gw, entry):
+        return True
+    return think
+
+
 def _think_kwargs(think) -> dict:
     """Ollama runner: ``think`` → ``chat_template_kwargs {enable_thinking, reasoning_effort?}``."""
     if think is None:
@@ -185,7 +196,8 @@ def _think_kwargs(think) -> dict:
 
 
 async def _common_checks(request: web.Request, body: dict, entry: ModelEntry, kind: str):
-    """Validation shared by generate and chat; returns (think, logprobs, top_logprobs, keep_alive_s)."""
+    """Validation shared by generate and chat; returns (think, logprobs, top_logprobs, keep_alive_s).
+    A ``think`` left out is None here (see :func:`_think_default`)."""
     for k in ("truncate", "shift"):  # ignored (README), but booleans in Ollama's API
         optional(body, k, bool, "a boolean")
     keep_alive = parse_keep_alive(body.get("keep_alive"))
@@ -362,6 +374,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
             up["n_probs"] = max(top, 1)
     else:
         path = "/v1/chat/completions"
+        think = await _think_default(gw, entry, think, fmt)
         up = {"model": entry.name, "messages": msgs, "stream": True,
               "stream_options": {"include_usage": True}, **_sampling(request, body, entry),
               **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}
@@ -428,6 +441,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     suffix = optional(body, "suffix", str, "a string", "")
     template = optional(body, "template", str, "a string", "")
     raw = optional(body, "raw", bool, "a boolean", False)
+    if template and not raw:  # was dropped without a word (a fresh tester's find)
+        raise ApiError(400, "template is not supported by this gateway: prompts are rendered "
+                            "with the model's own chat template (a --chat-template-file in the "
+                            "model's args sets another); render the prompt yourself and send it "
+                            "with raw: true")
     context = _context_tokens(body.get("context"), entry.facts.n_vocab)
     if raw and (system or template or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
@@ -447,6 +465,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not raw and not suffix:
         msgs = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": prompt}]
+    if msgs is not None:
+        think = await _think_default(gw, entry, think, body.get("format"))
     rendered = await render_prompt(gw, entry.name, msgs, template_fields=_think_kwargs(think),
                                    text=prompt, context=context)
     up: dict = {"stream": True, "cache_prompt": True, **sampling,

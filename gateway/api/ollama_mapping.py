@@ -93,6 +93,9 @@ def map_options(options: object, *, num_predict_default: int, num_predict_max: i
                 # llama-server's JSON
                 raise ApiError(400, f'option "{k}" is out of range for a 64-bit integer')
             v = int(v)
+            if k == "num_keep" and v < -1:  # llama-server's 400 named its own field, n_keep
+                raise ApiError(400, f'option "num_keep" must be -1 (the whole prompt) or more, '
+                                    f'got {v}')
         elif k in _FLOAT:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ApiError(400, f'option "{k}" must be of type float')

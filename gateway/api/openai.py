@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
+from gateway.scheduling import ModelRemoved
 from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling,
                                 read_json, start_stream, visible_entries)
 from gateway.api import openai_checks, openai_structured, worker_ints
@@ -107,7 +108,10 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                                 else 0, rename=rename)
             out = started[0]
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
-        err = admission_error(e, gw.config.queue.retry_after_s)
+        # a model a reload removed while this waited: OpenAI's own words, as for a request
+        # that names it afterwards, and the name as asked (a fresh tester's find)
+        err = model_not_found_v1(asked) if isinstance(e, ModelRemoved) else \
+            admission_error(e, gw.config.queue.retry_after_s)
         return openai_error(err.status, err.message, err.headers, code=err.code, type=err.type)
     except UpstreamError as e:
         out = started[0] if started else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.api.capabilities import require
+from gateway.api.capabilities import model_capabilities, require
 from gateway.api.errors import ApiError
 from gateway.api.grammar_checks import check_grammar, check_schema, check_tools
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN, past_int64
@@ -129,6 +129,11 @@ async def _reasoning_effort(gw, entry, body: dict) -> None:
         effort, field = reasoning.get("effort"), "reasoning.effort"
     if effort is None:
         body.pop("reasoning_effort", None)
+        # as Ollama's /v1 (through /api/chat): a model with the thinking capability thinks
+        # unless told not to; not under a response_format, whose grammar would cover it
+        if body.get("response_format") is None and \
+                "thinking" in await model_capabilities(gw, entry):
+            _enable_thinking(body)
         return
     if not isinstance(effort, str) or effort not in _EFFORTS:
         raise ApiError(400, f"{field} must be one of " + ", ".join(
@@ -136,6 +141,19 @@ async def _reasoning_effort(gw, entry, body: dict) -> None:
     body["reasoning_effort"] = _EFFORTS[effort]
     if effort != "none":
         await require(gw, entry, "thinking", body["model"])
+        # llama-server passes the effort to the template but leaves enable_thinking at its own
+        # default, off for templates it does not take for reasoning ones: "high" rendered as
+        # "none" did (a fresh tester's find)
+        _enable_thinking(body)
+
+
+def _enable_thinking(body: dict) -> None:
+    """``chat_template_kwargs.enable_thinking`` true, unless the client set it itself."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        body["chat_template_kwargs"] = {"enable_thinking": True}
+    elif isinstance(kwargs, dict) and "enable_thinking" not in kwargs:
+        body["chat_template_kwargs"] = {**kwargs, "enable_thinking": True}
 
 
 def _named_tool_choice(body: dict) -> None:

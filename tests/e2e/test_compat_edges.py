@@ -264,3 +264,24 @@ def test_ollama_null_fields_are_unset(gw):
         "template": None, "raw": None, "logprobs": None, "top_logprobs": None,
         "options": {"num_predict": 1}})
     assert r.status_code == 200 and r.json()["done"], r.text
+
+
+def test_a_go_template_and_a_negative_num_keep_are_400_in_ollamas_words(gw):
+    """``template`` (an Ollama Go template, which the gateway cannot render) was dropped
+    without a word and the model's own template used; ``num_keep`` below -1 got llama-server's
+    400 naming its field ``n_keep``, which the client never sent (a fresh tester's finds). An
+    empty or null ``template`` is what clients send by default and still runs."""
+    base = {"model": "demo", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+    r = httpx.post(gw.url + "/api/generate", json={**base, "template": "{{ .Prompt }}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"].startswith("template is not supported by this gateway"), r.text
+    for empty in ("", None):
+        r = httpx.post(gw.url + "/api/generate", json={**base, "template": empty}, timeout=30)
+        assert r.status_code == 200, r.text
+    r = httpx.post(gw.url + "/api/generate", timeout=30,
+                   json={**base, "options": {"num_predict": 2, "num_keep": -5}})
+    assert r.status_code == 400
+    assert r.json() == {"error": 'option "num_keep" must be -1 (the whole prompt) or more, got -5'}
+    r = httpx.post(gw.url + "/api/generate", timeout=30,
+                   json={**base, "options": {"num_predict": 2, "num_keep": -1}})
+    assert r.status_code == 200, r.text
