@@ -37,7 +37,9 @@ application/json.
 * ``POST /gateway/api/admin/workers/{id}/restart``: drain (up to ``shutdown.drain_s``), stop
   (SIGTERM, ``stop_grace_s``, SIGKILL, reaped), start again; answers once it is ready again or
   its startup timeout passed: ``{"worker", "state", "pid", "detail", "draining"}`` (an
-  operator's drain outlives the restart); 404 when a reload removed the worker meanwhile.
+  operator's drain outlives the restart), 503 with an ``error`` too when it is not ready then
+  (``failed`` in a crash loop, still ``starting``); 404 when a reload removed the worker
+  meanwhile.
 * ``POST /gateway/api/admin/reload``: reload the config file (gateway/reload.py);
   200 with what changed, or 400 ``{"error", "errors": [...]}`` when the file is invalid or a
   changed worker did not start with its new settings (``rolled_back``: it runs its previous
@@ -190,9 +192,15 @@ async def restart(request: web.Request) -> web.Response:
     if cur is None or sup.id in gw.fleet.retired:  # removed, or a reload is removing it
         raise ApiError(404, f"worker '{sup.id}' was removed by a config reload during its restart")
     proc = cur.process
-    return _json({"worker": cur.id, "state": worker_state(gw, cur), "detail": cur.detail_now,
-                  "pid": proc.pid if proc and proc.returncode is None else None,
-                  "draining": gw.fleet.draining(cur.id)})
+    out = {"worker": cur.id, "state": worker_state(gw, cur), "detail": cur.detail_now,
+           "pid": proc.pid if proc and proc.returncode is None else None,
+           "draining": gw.fleet.draining(cur.id)}
+    if not cur.ready:  # 200 read as success in scripts (`worker restart X && …`; a fresh
+        # tester's find), as a reload whose worker does not start answers 400
+        why = f"{out['state']}: {out['detail']}" if out["detail"] else out["state"]
+        return _json({"error": f"worker {cur.id} is not ready after its restart ({why})",
+                      **out}, 503)
+    return _json(out)
 
 
 async def reload(request: web.Request) -> web.Response:

@@ -183,7 +183,10 @@ def test_queued_requests_of_a_model_removed_by_reload_get_404(gateway_factory):
     assert isinstance(ol_err, ollama.ResponseError), repr(ol_err)
     assert ol_err.status_code == 404 and ol_err.error == text
     assert isinstance(ai_err, openai.NotFoundError), repr(ai_err)
-    assert ai_err.body["message"] == text and "retry-after" not in ai_err.response.headers
+    # /v1: OpenAI's own words and the name as asked, as for a request naming it afterwards
+    assert ai_err.body["message"] == ("The model `alpha` does not exist or you do not have "
+                                      "access to it."), ai_err.body
+    assert ai_err.body["code"] == "model_not_found" and "retry-after" not in ai_err.response.headers
     assert oc.chat(model="beta", messages=MSGS, options={"num_predict": 2}).done is True
 
 

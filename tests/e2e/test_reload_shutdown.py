@@ -842,11 +842,20 @@ def test_admin_restart_of_a_crash_looping_worker_answers_when_it_fails(gateway_f
     r = httpx.post(gw.url + "/gateway/api/admin/workers/broken-cpu0/restart",
                    headers={"Authorization": "Bearer t"}, timeout=200)
     took = time.monotonic() - t0
-    assert r.status_code == 200 and r.json()["state"] == "failed", r.text
+    # not 200: scripts read that as success (`worker restart X && …`; a fresh tester's find)
+    assert r.status_code == 503 and r.json()["state"] == "failed", r.text
     assert r.json()["detail"].startswith("crash loop: 3 restarts"), r.text
+    assert r.json()["error"].startswith("worker broken-cpu0 is not ready after its restart "
+                                        "(failed: crash loop: 3 restarts"), r.text
     assert took < 60, took  # the startup timeout is 180 s
     w = {w["id"]: w for w in gw.workers()}["broken-cpu0"]
     assert w["state"] == "failed" and w["crash_loops"] >= 1, w
+    # the CLI says so and exits 1; a restart that brings its worker back exits 0
+    cli = [sys.executable, "-m", "gateway", "worker", "restart", "--url", gw.url, "--token", "t"]
+    p = subprocess.run(cli + ["broken-cpu0"], capture_output=True, text=True, timeout=200)
+    assert p.returncode == 1 and "HTTP 503: worker broken-cpu0 is not ready" in p.stderr, p
+    p = subprocess.run(cli + ["demo-cpu0"], capture_output=True, text=True, timeout=200)
+    assert p.returncode == 0 and '"state":"ready"' in p.stdout, p
 
 
 def _quick_crash_loop_gateway(gateway_factory, cpu: int):
