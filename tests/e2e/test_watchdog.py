@@ -615,6 +615,42 @@ def test_runaway_generation_is_bounded(tmp_path, gateway_factory):
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_configured_num_predict_default_bounds_every_api(gateway_factory):
+    """Case 6 (runaway generation; a tester's find): ``generation.num_predict_default: 7`` with
+    no ``num_predict_max``: an ``/api/generate``, ``/api/chat``, ``/v1/chat/completions`` and
+    ``/v1/completions`` request that sets no ``num_predict``/``max_tokens`` generates exactly 7
+    tokens and says ``length``. Catches a default that one API path drops (the Ollama options
+    mapping ignoring it, or /v1 not setting ``max_tokens``): the request then runs until the
+    slot's 512-token context is full (eval_count/completion_tokens far above 7). Greedy
+    sampling on /api/* and /v1/* (``temperature`` 0) so the random-weight demo model does not
+    stop early at an end-of-generation token."""
+    cfg = base_config(free_port(), generation={"num_predict_default": 7})
+    cfg["models"][0].update(cpu=1, slots=1, context=512)
+    gw = gateway_factory(cfg)
+    opts = {"temperature": 0}
+    r = httpx.post(gw.url + "/api/generate", timeout=120, json={
+        "model": "demo", "prompt": "a", "raw": True, "stream": False, "options": opts})
+    assert r.status_code == 200, r.text
+    assert (r.json()["eval_count"], r.json()["done_reason"]) == (7, "length"), r.json()
+    r = httpx.post(gw.url + "/api/chat", timeout=120, json={
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+        "options": opts})
+    assert r.status_code == 200, r.text
+    assert (r.json()["eval_count"], r.json()["done_reason"]) == (7, "length"), r.json()
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "a"})):
+        r = httpx.post(gw.url + path, timeout=120,
+                       json={"model": "demo", "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        got = (r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"])
+        assert got == (7, "length"), (path, r.json())
+    # streamed too: the last NDJSON line counts 7
+    status, lines = stream_lines(gw.url + "/api/chat", {
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "options": opts})
+    assert status == 200 and lines[-1]["done"] is True, lines[-1]
+    assert (lines[-1]["eval_count"], lines[-1]["done_reason"]) == (7, "length"), lines[-1]
+
+
 def test_request_deadline_frees_slot(tmp_path, gateway_factory):
     cfg = base_config(free_port(), timeouts={"request_s": 1.0})
     cfg["models"][0].update(cpu=1, slots=1, context=32768)
