@@ -56,14 +56,15 @@ class Load:
     def _run(self, model: str, num_predict: int) -> None:
         with httpx.Client(timeout=120) as c:
             while not self.stop_evt.is_set():
+                sent = time.monotonic()
                 try:
                     r = c.post(self.url + "/api/generate", json={
                         "model": model, "prompt": "x", "raw": True, "stream": False,
                         "options": {"num_predict": num_predict}})
                     done = r.status_code == 200 and r.json().get("done") is True
-                    self.results.append((model, r.status_code, r.text[:200], done))
+                    self.results.append((model, r.status_code, r.text[:200], done, sent))
                 except httpx.HTTPError as e:
-                    self.results.append((model, 0, repr(e), False))
+                    self.results.append((model, 0, repr(e), False, sent))
 
     def __enter__(self):
         for t in self.threads:
@@ -144,6 +145,12 @@ def test_reload_adds_and_removes_workers_via_admin(gateway_factory):
 
 
 def test_sigterm_under_load_drains_and_exits_zero(tmp_path):
+    """Case 17: six clients sending back to back at 2 × 2 slots, SIGTERM: the requests in
+    flight complete (drain), the gateway exits 0, no worker left. Requests sent after the
+    SIGTERM (a margin of 0.5 s for the signal to be handled) are never served: refused at
+    connect, cut on their closed keep-alive connection, or a JSON 503 in Ollama's shape. An
+    ``stop_accepting`` that does nothing (a tester's break: the listener stays open) served
+    them all with 200 for the whole 10 s drain, which this test's old checks let pass."""
     cfg = base_config(free_port(), shutdown={"drain_s": 10})
     gw = start_gateway(tmp_path, cfg)
     pids = [w["pid"] for w in gw.workers()]
@@ -159,6 +166,13 @@ def test_sigterm_under_load_drains_and_exits_zero(tmp_path):
     other = [r for r in load.results if r[1] not in (200, 0, 503)]
     assert ok and not other, (other[:3], load.results[:5])
     assert all(r[3] for r in ok)
+    late = [r for r in load.results if r[4] > t0 + 0.5]
+    assert late, "no request was sent after the SIGTERM"  # the clients kept trying
+    late_ok = [r[:3] for r in late if r[1] == 200]
+    assert not late_ok, f"{len(late_ok)} requests sent after SIGTERM were served: {late_ok[:3]}"
+    for r in (r for r in load.results if r[1] == 503):
+        body = json.loads(r[2])
+        assert isinstance(body, dict) and isinstance(body.get("error"), str), r
     refused = [r for r in load.results if r[1] == 0]
     assert all("Connect" in r[2] or "RemoteProtocol" in r[2] for r in refused), refused[:3]
     assert not any(pid_alive(p) for p in pids)
@@ -260,6 +274,90 @@ def test_field_17_sigterm_with_two_long_generations(tmp_path):
     assert '"event": "gateway.stopped"' in log and '"event": "config.reloading"' not in log
     assert '"event": "worker.stop_timeout"' not in log  # exited on SIGTERM, no SIGKILL
     assert '"event": "gateway.streams_ended"' in log
+
+
+def _late_request(client: httpx.Client, path: str, body: dict) -> tuple:
+    """POST ``body`` to ``path`` on ``client``: (status or None, headers, body text or the
+    exception's repr, seconds taken)."""
+    t = time.monotonic()
+    try:
+        r = client.post(path, json=body, timeout=30)
+        return r.status_code, r.headers, r.text, time.monotonic() - t
+    except httpx.HTTPError as e:
+        return None, {}, repr(e), time.monotonic() - t
+
+
+def test_field_17_requests_after_sigterm_get_503_at_once(tmp_path):
+    """Case 17, stop accepting new work (a tester's find): two long generations (NDJSON and
+    SSE) keep both slots busy, drain_s 5 s; 0.3 s after SIGTERM, requests to ``/api/generate``,
+    ``/api/chat`` and ``/v1/chat/completions`` (on fresh connections and on keep-alive
+    connections that were idle at the SIGTERM) are each answered within 1.5 s by a refused or
+    closed connection or a 503 whose JSON body is in its API's shape (``{"error": "..."}`` on
+    /api/*, the OpenAI error object on /v1/*) with ``Retry-After``; never 200. Catches a
+    ``stop_accepting`` that does not close the listener or mark the gateway draining: the
+    late requests were accepted and queued behind the two generations until the drain ran
+    out (about 5 s), or served. The two generations still end with their error line and the
+    gateway exits 0."""
+    gw = long_context_gateway(tmp_path, slots=2, drain_s=5)
+    out: dict[str, list[str]] = {}
+
+    def ollama():
+        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
+            out["ollama"] = [ln for ln in r.iter_lines() if ln]
+
+    def openai():
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
+                "model": "demo", "prompt": "x", "max_tokens": 60000, "stream": True}) as r:
+            out["openai"] = [ln for ln in r.iter_lines() if ln]
+
+    short = {"/api/generate": {"model": "demo", "prompt": "x", "raw": True, "stream": False,
+                               "options": {"num_predict": 4}},
+             "/api/chat": {"model": "demo", "messages": [{"role": "user", "content": "x"}],
+                           "stream": False, "options": {"num_predict": 4}},
+             "/v1/chat/completions": {"model": "demo", "max_tokens": 4,
+                                      "messages": [{"role": "user", "content": "x"}]}}
+    kept = [httpx.Client(base_url=gw.url) for _ in short]  # keep-alive, idle at the SIGTERM
+    fresh = [httpx.Client(base_url=gw.url) for _ in short]
+    try:
+        for c in kept:
+            assert c.get("/api/version").status_code == 200
+        with cf.ThreadPoolExecutor(2 + 2 * len(short)) as ex:
+            streams = [ex.submit(ollama), ex.submit(openai)]
+            end = time.monotonic() + 10
+            while sum(w["busy"] for w in gw.workers()) < 2 and time.monotonic() < end:
+                time.sleep(0.05)
+            time.sleep(0.3)  # both streaming
+            t0 = time.monotonic()
+            gw.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            late = [(path, ex.submit(_late_request, c, path, body))
+                    for clients in (kept, fresh) for c, (path, body) in zip(clients, short.items())]
+            late = [(path, f.result(30)) for path, f in late]
+            rc = gw.proc.wait(30)
+            took = time.monotonic() - t0
+            for f in streams:
+                f.result(30)
+    finally:
+        for c in kept + fresh:
+            c.close()
+    for path, (status, headers, text, secs) in late:
+        assert status != 200, (path, text[:200])
+        assert secs < 1.5, f"{path} sent after SIGTERM took {secs:.1f} s: {status} {text[:200]}"
+        if status is None:  # refused, or its idle keep-alive connection closed
+            assert any(k in text for k in ("Connect", "RemoteProtocol", "ReadError")), (path, text)
+            continue
+        assert status == 503, (path, status, text[:200])
+        assert headers["content-type"].startswith("application/json") and "retry-after" in headers
+        body = json.loads(text)
+        if path.startswith("/v1/"):
+            assert isinstance(body.get("error"), dict) and isinstance(body["error"]["message"], str)
+            assert "type" in body["error"], body
+        else:
+            assert isinstance(body.get("error"), str), body
+    assert rc == 0 and 5 <= took < 5 + 3 + 2, (rc, took)
+    assert "error" in json.loads(out["ollama"][-1]) and len(out["ollama"]) > 10
+    assert out["openai"][-1].startswith("data: ") and '"error"' in out["openai"][-1]
 
 
 def test_streams_cut_at_the_drain_end_let_the_workers_exit_on_sigterm(tmp_path):
