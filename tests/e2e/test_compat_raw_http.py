@@ -68,7 +68,57 @@ def _stream_lines(url: str, path: str, body: dict):
     return r, out
 
 
+#: Characters of 2, 3 and 4 bytes in UTF-8; the demo model's vocabulary spells each as one
+#: token per byte, so each is generated as several tokens (llama-server holds back the bytes
+#: of a partial character until it is complete; the gateway must not cut it again).
+MULTIBYTE = "ü日本語é🙂ß"
+
+
 def test_case18_ndjson_framing_and_utf8(gw):
+    """Case 18: every NDJSON line is one complete JSON object ending in ``\\n``, no blank
+    line, not SSE; the last says ``done`` with the statistics; no line holds a split multibyte
+    character. The random-weight demo model's free text is almost all ASCII and U+FFFD, so a
+    ``format`` (a JSON schema: a string of exactly :data:`MULTIBYTE`) makes it generate
+    characters of 2-4 bytes, each spelt by several byte tokens: the streamed text must hold
+    them whole (raw lines valid UTF-8 with non-ASCII bytes, some chunk's text non-ASCII, no
+    U+FFFD, the joined text exactly the schema's string). Catches a relay that cuts a
+    character between chunks or decodes a partial one as U+FFFD; without the forced
+    characters the UTF-8 check could not fail."""
+    schema = {"type": "string", "enum": [MULTIBYTE]}
+    for path, body in (("/api/generate", {"model": "demo", "prompt": "é", "format": schema,
+                                          "options": {"num_predict": 300}}),
+                       ("/api/chat", {"model": "demo", "format": schema,
+                                      "messages": [{"role": "user", "content": "ü"}],
+                                      "options": {"num_predict": 300}})):
+        r, lines = _stream_lines(gw.url, path, body)
+        assert r.status_code == 200 and len(lines) > 2
+        objs = []
+        for _, raw in lines:
+            assert raw.strip() and raw.endswith(b"\n") and not raw.startswith(b"data:")
+            raw.decode("utf-8")  # never a split multibyte character
+            objs.append(json.loads(raw))
+        texts = [o.get("response") if path == "/api/generate" else o["message"]["content"]
+                 for o in objs]
+        assert any(max(raw) > 0x7F for _, raw in lines[:-1]), "no multibyte UTF-8 on the wire"
+        assert any(t and not t.isascii() for t in texts), texts
+        assert "\ufffd" not in "".join(texts), texts
+        assert "".join(texts) == json.dumps(MULTIBYTE, ensure_ascii=False), texts
+        assert all(o["done"] is False for o in objs[:-1]) and objs[-1]["done"] is True
+        # the characters came as several tokens each, yet each chunk held whole ones
+        assert objs[-1]["eval_count"] > len([t for t in texts if t]), objs[-1]
+    # the same on /v1 (SSE): every event's data is valid UTF-8 and the text is whole
+    r, lines = _stream_lines(gw.url, "/v1/chat/completions", {
+        "model": "demo", "stream": True, "max_tokens": 300,
+        "messages": [{"role": "user", "content": "ü"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert r.status_code == 200
+    text = ""
+    for _, raw in lines:
+        line = raw.decode("utf-8")
+        if line.startswith("data: {"):
+            for c in json.loads(line[len("data: "):])["choices"]:
+                text += c["delta"].get("content") or ""
+    assert text == json.dumps(MULTIBYTE, ensure_ascii=False), text
     for path, body in (("/api/generate", {"model": "demo", "prompt": "é", "options": {"num_predict": 300}}),
                        ("/api/chat", {"model": "demo", "messages": [{"role": "user", "content": "ü"}],
                                       "options": {"num_predict": 300}})):
