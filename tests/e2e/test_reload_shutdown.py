@@ -32,10 +32,14 @@ def _two_models(port: int, **over) -> dict:
 
 def long_context_gateway(tmp_path, slots: int, drain_s: float):
     """One CPU worker of the demo model with ``slots`` slots of 65,536 tokens (room for
-    generations that outlast the drain), ``shutdown.drain_s`` = ``drain_s``, stop grace 3 s."""
+    generations that outlast the drain), ``shutdown.drain_s`` = ``drain_s``, stop grace 3 s.
+    The demo model written here is trained for 65,536 tokens: the built-in one's 4,096 capped
+    each slot there, and a generation that filled it ended in about 5 s, before a 5 s drain did."""
+    from workers.demo_model import write_demo_model
+    model = write_demo_model(tmp_path / "demo-64k.gguf", n_ctx_train=65536)
     cfg = base_config(free_port(), shutdown={"drain_s": drain_s},
                       llama_server={"threads": 1, "stop_grace_s": 3},
-                      models=[{"name": "demo", "path": "builtin:demo", "slots": slots,
+                      models=[{"name": "demo", "path": str(model), "slots": slots,
                                "context": 65536, "cpu": 1}])
     return start_gateway(tmp_path, cfg)
 
