@@ -74,6 +74,18 @@ def _stream_lines(url: str, path: str, body: dict):
 MULTIBYTE = "ü日本語é🙂ß"
 
 
+def _ndjson_objects(r, lines: list) -> list[dict]:
+    """The NDJSON objects of a 200 stream of more than 2 lines, each line checked: not blank,
+    ending in a newline, not SSE, valid UTF-8 (never a split multibyte character)."""
+    assert r.status_code == 200 and len(lines) > 2
+    objs = []
+    for _, raw in lines:
+        assert raw.strip() and raw.endswith(b"\n") and not raw.startswith(b"data:")
+        raw.decode("utf-8")
+        objs.append(json.loads(raw))
+    return objs
+
+
 def test_case18_ndjson_framing_and_utf8(gw):
     """Case 18: every NDJSON line is one complete JSON object ending in ``\\n``, no blank
     line, not SSE; the last says ``done`` with the statistics; no line holds a split multibyte
@@ -91,12 +103,7 @@ def test_case18_ndjson_framing_and_utf8(gw):
                                       "messages": [{"role": "user", "content": "ü"}],
                                       "options": {"num_predict": 300}})):
         r, lines = _stream_lines(gw.url, path, body)
-        assert r.status_code == 200 and len(lines) > 2
-        objs = []
-        for _, raw in lines:
-            assert raw.strip() and raw.endswith(b"\n") and not raw.startswith(b"data:")
-            raw.decode("utf-8")  # never a split multibyte character
-            objs.append(json.loads(raw))
+        objs = _ndjson_objects(r, lines)
         texts = [o.get("response") if path == "/api/generate" else o["message"]["content"]
                  for o in objs]
         assert any(max(raw) > 0x7F for _, raw in lines[:-1]), "no multibyte UTF-8 on the wire"
@@ -123,12 +130,7 @@ def test_case18_ndjson_framing_and_utf8(gw):
                        ("/api/chat", {"model": "demo", "messages": [{"role": "user", "content": "ü"}],
                                       "options": {"num_predict": 300}})):
         r, lines = _stream_lines(gw.url, path, body)
-        assert r.status_code == 200 and len(lines) > 2
-        objs = []
-        for _, raw in lines:
-            assert raw.strip() and raw.endswith(b"\n") and not raw.startswith(b"data:")
-            raw.decode("utf-8")  # never a split multibyte character
-            objs.append(json.loads(raw))
+        objs = _ndjson_objects(r, lines)
         assert all(o["done"] is False for o in objs[:-1])
         last = objs[-1]
         assert last["done"] is True and last["done_reason"] == "length" and last["eval_count"] == 300

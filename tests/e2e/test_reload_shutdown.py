@@ -44,6 +44,23 @@ def long_context_gateway(tmp_path, slots: int, drain_s: float):
     return start_gateway(tmp_path, cfg)
 
 
+def _two_long_streams(gw, out: dict) -> tuple:
+    """Two callables, each a long stream (60,000 tokens) that puts its lines in ``out``:
+    ``/api/generate`` NDJSON under "ollama", ``/v1/completions`` SSE under "openai"."""
+
+    def ollama():
+        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
+            out["ollama"] = [ln for ln in r.iter_lines() if ln]
+
+    def openai():
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
+                "model": "demo", "prompt": "x", "max_tokens": 60000, "stream": True}) as r:
+            out["openai"] = [ln for ln in r.iter_lines() if ln]
+
+    return ollama, openai
+
+
 def _argv_np(pid: int) -> int:
     argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
     return int(argv[argv.index(b"-np") + 1])
@@ -249,16 +266,7 @@ def test_field_17_sigterm_with_two_long_generations(tmp_path):
     gw = long_context_gateway(tmp_path, slots=2, drain_s=2)
     pids = [w["pid"] for w in gw.workers()]
     out: dict[str, list[str]] = {}
-
-    def ollama():
-        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
-                "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
-            out["ollama"] = [ln for ln in r.iter_lines() if ln]
-
-    def openai():
-        with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
-                "model": "demo", "prompt": "x", "max_tokens": 60000, "stream": True}) as r:
-            out["openai"] = [ln for ln in r.iter_lines() if ln]
+    ollama, openai = _two_long_streams(gw, out)
 
     # A SIGHUP during the stop (a reload by a config tool) is ignored: it killed the gateway
     # at once (exit 129, no error line, no drain; a fresh tester's find).
@@ -306,16 +314,7 @@ def test_field_17_requests_after_sigterm_get_503_at_once(tmp_path):
     gateway exits 0."""
     gw = long_context_gateway(tmp_path, slots=2, drain_s=5)
     out: dict[str, list[str]] = {}
-
-    def ollama():
-        with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
-                "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 60000}}) as r:
-            out["ollama"] = [ln for ln in r.iter_lines() if ln]
-
-    def openai():
-        with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
-                "model": "demo", "prompt": "x", "max_tokens": 60000, "stream": True}) as r:
-            out["openai"] = [ln for ln in r.iter_lines() if ln]
+    ollama, openai = _two_long_streams(gw, out)
 
     short = {"/api/generate": {"model": "demo", "prompt": "x", "raw": True, "stream": False,
                                "options": {"num_predict": 4}},
