@@ -486,10 +486,21 @@ def _v_worker_args(v: object) -> list[str]:
                    f"host, port, API key, model and alias, and reads /slots over plain HTTP "
                    f"at the root path); remove it")
             for i, a in enumerate(out) if a.split("=", 1)[0] in GATEWAY_FLAGS]
+    # -np / -c shape the worker plan (slots, context per slot): a value that is not a whole
+    # number passed check-config and left the worker unable to start (a fresh tester's find)
+    for i, a in enumerate(out):
+        flag, eq, rest = a.partition("=")
+        if flag in PLAN_FLAGS:
+            v = rest if eq else (out[i + 1] if i + 1 < len(out) else None)
+            if v is None or not re.fullmatch(r"-?\d+", v):
+                errs.append(((i,), f"{flag} takes a whole number, got {_got(v)}"))
     if errs:
         raise _Invalid(*errs)
     return out
 
+
+#: llama-server flags in ``args`` that change the worker plan (read back from ``/slots``).
+PLAN_FLAGS = frozenset({"-np", "--parallel", "-c", "--ctx-size"})
 
 WorkerArgs = Annotated[list[str], PlainValidator(_v_worker_args)]
 
@@ -850,6 +861,9 @@ class ModelConfig(_Section):
                 f"and gpus: {_got(self.gpus)}",
                 "cpu",
             )
+        if self.cpu is not None and self.slots_per_gpu:  # was ignored without a word
+            _fail(f"applies to GPU workers, but this model runs {self.cpu} CPU worker(s) "
+                  f"(cpu: {self.cpu}); set their slots with slots", "slots_per_gpu")
         return self
 
     @model_validator(mode="after")

@@ -48,11 +48,17 @@ _FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q
 
 
 def _open_gguf(path: Path):
-    """gguf's GGUFReader on ``path``. Raises OSError, or ValueError for any file it cannot
-    parse: a cut-short file made it raise IndexError (a traceback and exit 1 at start, a 500
+    """gguf's GGUFReader on ``path``. Raises OSError, or ValueError for a file that is not GGUF
+    (no magic) or that it cannot parse: a cut-short file made it raise IndexError (a traceback and exit 1 at start, a 500
     on reload; a fresh tester's find)."""
     from gguf import GGUFReader
 
+    with open(path, "rb") as f:  # the parser's own words for another file were numpy's
+        magic = f.read(4)
+    if magic != b"GGUF":  # (a reshape error; a fresh tester's find)
+        size = os.path.getsize(path)
+        raise ValueError(f"not a GGUF file: it does not begin with the GGUF magic "
+                         f"(first bytes {magic!r}, {size} bytes in all)")
     try:
         return GGUFReader(str(path), "r")
     except (OSError, ValueError):

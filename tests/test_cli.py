@@ -31,6 +31,9 @@ def test_model_path_that_is_not_gguf(tmp_path, not_gguf, verb):
     assert r.returncode == 2, r.stderr
     assert f"{cfg}: models[0].path: not a readable GGUF file: {not_gguf}" in r.stderr
     assert "Traceback" not in r.stderr
+    # words an operator can act on, not numpy's reshape error (a fresh tester's find)
+    assert "(not a GGUF file: it does not begin with the GGUF magic (first bytes b'this', " \
+        "24 bytes in all))" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("verb", ["check-config", "serve"])

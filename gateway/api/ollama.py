@@ -44,7 +44,7 @@ from gateway.api.ollama_mapping import (
 )
 from gateway.inventory import GGUFFacts, ModelEntry, now_utc_z
 from gateway.logs import get_logger
-from gateway.metrics import note_first_byte, note_lease
+from gateway.metrics import note_first_byte, note_lease, worker_state
 from gateway.upstream import UpstreamError, iter_sse_batches
 from gateway.worker_calls import tokenize
 
@@ -558,7 +558,9 @@ async def ps(request: web.Request) -> web.Response:
             "expires_at": e.expires_at(_STARTED_AT).isoformat(),
             "size_vram": e.size * len(gpu_workers),
             "context_length": gw.context_per_slot(e.name),
-            "workers": [{"id": w.id, "state": w.state, "detail": w.detail_now,
+            # "draining" as /gateway/api/workers says it: "ready" while every request of the
+            # model got 503 "drained" (a fresh tester's find)
+            "workers": [{"id": w.id, "state": worker_state(gw, w), "detail": w.detail_now,
                          "gpus": list(w.spec.gpus),
                          "slots": getattr(w, "actual_slots", w.spec.slots),  # as /slots says
                          "restarts": w.restarts} for w in workers],

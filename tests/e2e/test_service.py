@@ -305,6 +305,9 @@ def test_admin_token_drain_undrain_restart_and_cli_status(gateway_factory):
     assert rows["demo-cpu1"][2] == "draining" and rows["demo-cpu1"][3] == "0/2"
     assert rows["demo-cpu0"][2] == "ready"
     assert lines[3].startswith("queue ")
+    # /api/ps, the one status an Ollama client sees, says so too (it said "ready")
+    ps = httpx.get(gw.url + "/api/ps", timeout=10).json()["models"][0]["workers"]
+    assert {w["id"]: w["state"] for w in ps} == {"demo-cpu0": "ready", "demo-cpu1": "draining"}
     log = gw.log_path.read_text()
     assert '"worker": "demo-cpu1", "event": "request.done"' not in log
     assert subprocess.run(cli + ["worker", "undrain", "demo-cpu1"], cwd=ROOT, env=env).returncode == 0
