@@ -288,6 +288,7 @@ class WorkerSupervisor:
         failures = 0
         headers = {"Authorization": f"Bearer {proc.api_key}"}
         check_wait = asyncio.create_task(self._stall_check.wait())
+        probe_task: asyncio.Future | None = None
         try:
             while True:
                 done, _ = await asyncio.wait({exit_task, check_wait},
@@ -301,7 +302,17 @@ class WorkerSupervisor:
                         return wedged
                     check_wait = asyncio.create_task(self._stall_check.wait())
                     continue
-                probe = await self._probe_slots(proc, http, headers)
+                # A stall check asked for while a probe waits on a frozen worker starts at once:
+                # it waited for the probe's timeout, so the wedge was found up to 2 ×
+                # liveness_timeout_s after the stall (9 s in a tester's run, not 5)
+                probe_task = asyncio.ensure_future(self._probe_slots(proc, http, headers))
+                done, _ = await asyncio.wait({probe_task, check_wait, exit_task},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if probe_task not in done:
+                    probe_task.cancel()
+                    await asyncio.gather(probe_task, return_exceptions=True)
+                    continue  # the loop's wait returns at once: exit, stop or the check
+                probe = probe_task.result()
                 if probe is None:
                     failures = 0
                     continue
@@ -313,6 +324,8 @@ class WorkerSupervisor:
                     return f"/slots {probe} ({failures} times in a row)"
         finally:
             check_wait.cancel()
+            if probe_task is not None:
+                probe_task.cancel()
 
     async def _check_after_stalls(self, proc: WorkerProcess, http: aiohttp.ClientSession,
                                   headers: dict, exit_task: asyncio.Task) -> str | None:

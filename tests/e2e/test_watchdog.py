@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from datetime import datetime
 
 import httpx
 import openai
@@ -474,6 +475,44 @@ def test_a_frozen_worker_is_still_restarted_when_requests_stall_on_it(tmp_path, 
     assert len(wedged) == 1 and wedged[0]["worker"] == victim["id"], wedged
     assert wedged[0]["reason"] == ("a stalled request held its last free slot and its main "
                                    "loop (GET /lora-adapters) did not answer within 2 s")
+
+
+def test_the_stall_check_does_not_wait_for_a_liveness_probe_in_flight(gateway_factory):
+    """A frozen single-slot worker's stream stalls (``inter_token_s`` 1 s); the stall check
+    then ran only once the ``/slots`` probe already waiting on the frozen worker had timed out,
+    so the wedge was found up to 2 × ``liveness_timeout_s`` after the stall (9 s with the
+    defaults in a tester's run). It starts at the stall now: found within
+    ``liveness_timeout_s`` (3 s here) of it, plus scheduling slack. Probes run back to back
+    (``liveness_interval_s`` 0.1), so one is always in flight when the stall comes; with the
+    old loop the wedge came about 5 s after the stall."""
+    cfg = base_config(free_port(), llama_server={
+        "threads": 1, "liveness_interval_s": 0.1, "liveness_timeout_s": 3, "stop_grace_s": 1},
+        timeouts={"inter_token_s": 1.0})
+    cfg["models"][0].update(cpu=1, slots=1, context=4096)
+    gw = gateway_factory(cfg)
+    victim = gw.workers()[0]
+    with httpx.stream("POST", gw.url + "/api/generate", timeout=60, json={
+            "model": "demo", "prompt": "x", "raw": True, "options": {"num_predict": 4000}}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        rest = [ln for ln in lines if ln]
+    try:
+        assert "error" in json.loads(rest[-1]), rest[-1]
+        wait_for(lambda: '"worker.wedged"' in gw.log_path.read_text(), 30, "wedge found")
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    events = log_events(gw.log_path)
+    stall = next(e for e in events if e.get("event") == "watchdog.stall")
+    wedged = next(e for e in events if e.get("event") == "worker.wedged")
+    took = (datetime.fromisoformat(wedged["timestamp"].replace("Z", "+00:00"))
+            - datetime.fromisoformat(stall["timestamp"].replace("Z", "+00:00"))).total_seconds()
+    assert wedged["reason"].startswith("a stalled request held its last free slot and its main "
+                                       "loop (GET /lora-adapters) did not answer within 3 s"), wedged
+    assert took < 3 + 1.2, took
 
 
 def test_a_request_waiting_on_a_frozen_worker_is_retried_when_it_is_found_wedged(gateway_factory):
