@@ -207,6 +207,14 @@ class Upstream:
         finally:
             waiting.discard(resp)
 
+    def _alone(self, ticket: Ticket, lease: SlotLease) -> bool:
+        """Whether ``lease``'s worker is the only one left for ``ticket``'s model: a retry
+        after it went down would wait for the same worker to restart and take it down again if
+        the request was the cause (a fresh tester's find on a one-worker model)."""
+        return not any(w.model == ticket.model and w.id != lease.worker.id
+                       and w.id not in ticket.avoid and not w.retiring
+                       for w in self.admission.dispatcher.workers.values())
+
     def _abort_unanswered(self, exc: Exception) -> None:
         """Give up on every unanswered response: each request's wait raises ``exc`` (headers)
         or sees its connection closed (answer)."""
@@ -400,7 +408,8 @@ class Upstream:
                     raise UpstreamError(504, f"worker {lease.worker.id} sent nothing within "
                                              f"{wait_s:g} s", "first_byte_timeout") from None
                 except WorkerDown as e:
-                    err, went_down = _down_error(e, lease.worker.id, went_down), True
+                    err = _down_error(e, lease.worker.id, went_down or self._alone(ticket, lease))
+                    went_down = True
                     raise err from None
                 except WorkerConnectionError as e:
                     raise UpstreamError(502, f"worker {lease.worker.id} unreachable: {e}",
@@ -414,7 +423,9 @@ class Upstream:
                     try:
                         await self._until_answer(lease.worker.id, resp, t_sent, deadline)
                     except WorkerDown as e:
-                        err, went_down = _down_error(e, lease.worker.id, went_down), True
+                        err = _down_error(e, lease.worker.id,
+                                          went_down or self._alone(ticket, lease))
+                        went_down = True
                         raise err from None
             except UpstreamError as e:
                 e.worker = lease.worker.id
@@ -457,18 +468,18 @@ class Upstream:
         raise last or UpstreamError(502, "no worker answered")
 
 
-def _down_error(e: WorkerDown, worker_id: str, went_down: bool) -> UpstreamError:
+def _down_error(e: WorkerDown, worker_id: str, no_retry: bool) -> UpstreamError:
     """The error of a request whose worker went down before it answered (``abort_worker``):
-    ``connection``, retried on another worker, the first time; ``worker_down``, not retried,
-    when a worker of an earlier attempt went down while it computed this request too
-    (``went_down``). A request that freezes or crashes its worker was retried on each worker
-    of the model in turn and took all of them down (a fresh tester's find); a worker that goes
-    down for a cause of its own still has its requests tried elsewhere once."""
-    if went_down:
-        return UpstreamError(502, f"{e} while it computed this request, the second worker to "
-                                  f"go down under it; it is not tried on another (a request "
-                                  f"that freezes or crashes workers would take each in turn)",
-                             "worker_down")
+    ``connection``, retried on another worker, the first time; ``worker_down``, not retried
+    (``no_retry``), when a worker of an earlier attempt went down while it computed this
+    request too, or when no other worker of the model is left to try. A request that freezes
+    or crashes its worker was retried on each worker of the model in turn and took all of them
+    down (a fresh tester's find); a worker that goes down for a cause of its own still has its
+    requests tried elsewhere once."""
+    if no_retry:
+        return UpstreamError(502, f"{e} while it computed this request, which is not tried "
+                                  f"again (a request that freezes or crashes workers would "
+                                  f"take each in turn)", "worker_down")
     return UpstreamError(502, f"worker {worker_id} unreachable: {e}", "connection")
 
 

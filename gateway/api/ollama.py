@@ -175,11 +175,12 @@ def _args_text(args) -> str:
 
 
 async def _think_default(gw, entry: ModelEntry, think, fmt) -> object:
-    """``think`` as the template gets it: left out on a model with the ``thinking``
-    capability, True, as Ollama forces it (routes.go; shared/reference/ollama-api.md). The
-    worker's own default was off for templates llama-server does not take for reasoning ones,
-    so such a model never thought unless asked (a fresh tester's find). Not with a ``format``,
-    whose grammar would cover the reasoning too; as before."""
+    """``/api/chat``'s ``think`` as the template gets it: left out on a model with the
+    ``thinking`` capability, True, as Ollama forces it (routes.go;
+    shared/reference/ollama-api.md). The worker's own default was off for templates
+    llama-server does not take for reasoning ones, so such a model never thought unless asked
+    (a fresh tester's find). Not with a ``format``, whose grammar would cover the reasoning
+    too; as before."""
     if think is None and not fmt and "thinking" in await model_capabilities(gw, entry):
         return True
     return think
@@ -451,6 +452,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "raw mode does not support template, system, or context")
     images = _images(body.get("images"), "images")
     think, lp, top, keep_alive = await _common_checks(request, body, entry, "generate")
+    fmt = format_fields(body.get("format"), chat=False)  # its 400 before any availability
+    # answer, as /api/chat (a fresh tester's find)
     gw = _gw(request)
     if suffix:
         await require(gw, entry, "insert", body["model"])
@@ -465,12 +468,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not raw and not suffix:
         msgs = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": prompt}]
-    if msgs is not None:
-        think = await _think_default(gw, entry, think, body.get("format"))
+    # think left out is not forced on here as on /api/chat: this route's /completion answer
+    # is not split into thinking and response, so a forced reasoning would land in `response`
+    # (a fresh tester's find; README "Known gaps")
     rendered = await render_prompt(gw, entry.name, msgs, template_fields=_think_kwargs(think),
                                    text=prompt, context=context)
-    up: dict = {"stream": True, "cache_prompt": True, **sampling,
-                **format_fields(body.get("format"), chat=False)}
+    up: dict = {"stream": True, "cache_prompt": True, **sampling, **fmt}
     if lp or top:
         up["n_probs"] = max(top, 1)
     if suffix:

@@ -21,6 +21,21 @@ from gateway.api.grammar_checks import COUNT_MAX, check_grammar, check_schema, c
     ({"type": "integer", "minimum": 10, "maximum": 1}, "minimum (10) and maximum (1) leave no number"),
     ({"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 5}, "exclusiveMinimum (5)"),
     ({"type": "number", "minimum": 5, "exclusiveMaximum": 5}, "minimum (5) and exclusiveMaximum (5)"),
+    # a fresh tester's ways past the first check: an empty integer range (the worker's 500),
+    # a regex repetition in a pattern, schemas under properties named like data keywords
+    ({"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 6}, "leave no integer"),
+    ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, "leave no integer"),
+    ({"type": "string", "pattern": "^x{5,2}$"}, "format.pattern: repetition {5,2} has its maximum"),
+    ({"type": "string", "pattern": "(ab){ 3 , 1 }"}, "format.pattern: repetition { 3 , 1 }"),
+    ({"type": "object", "properties": {"enum": {"type": "array", "minItems": 5, "maxItems": 2}}},
+     "format.properties.enum: minItems (5)"),
+    ({"type": "object", "properties": {"default": {"type": "string", "minLength": 9,
+                                                   "maxLength": 1}}},
+     "format.properties.default: minLength (9)"),
+    ({"type": "array", "items": [{"type": "string"}, {"type": "array", "minItems": 2,
+                                                      "maxItems": 1}]}, "format.items[1]: minItems"),
+    ({"enum": [f"v{i}" for i in range(4097)]}, "more than 4096 enum values"),
+    ({"anyOf": [{"enum": list(range(3000))}, {"enum": list(range(1097))}]}, "more than 4096 enum"),
 ])
 def test_unsatisfiable_bounds_are_400_naming_where(schema, says):
     with pytest.raises(ApiError) as e:
@@ -37,6 +52,13 @@ def test_unsatisfiable_bounds_are_400_naming_where(schema, says):
     {"enum": [{"minItems": 5, "maxItems": 2}], "default": {"minLength": 3, "maxLength": 1}},
     {"type": "array", "minItems": True, "maxItems": 0},  # not counts: the worker's own 400
     {"type": "string", "minLength": "3", "maxLength": 1},
+    # no schema the worker builds a grammar from: `not`, annotations, data (a tester's find)
+    {"type": "integer", "not": {"minimum": 10, "maximum": 1}},
+    {"type": "string", "x-note": {"minLength": 3, "maxLength": 1}},
+    {"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 7},  # 6
+    {"type": "number", "exclusiveMinimum": 5, "exclusiveMaximum": 6},
+    {"type": "string", "pattern": "^[{5,2}]\\{5,2}x{2,5}$"},  # a class, an escape, a good one
+    {"enum": [f"v{i}" for i in range(4096)]},
 ])
 def test_satisfiable_or_other_schemas_pass(schema):
     check_schema(schema, "format")
@@ -52,6 +74,9 @@ def test_satisfiable_or_other_schemas_pass(schema):
     ('root ::= ["{5,2}"] "b"', False),  # inside a class
     ('root ::= "\\"{5,2}" "b"', False),  # an escaped quote does not end the literal
     ('# {5,2} in a comment\nroot ::= "a"', False),
+    ('# c\rroot ::= "a"{5,1}', True),  # llama.cpp ends a comment at \r too
+    ('root ::= ("a"{5,#c\n1})', True),  # and skips comments inside the braces
+    ('root ::= ("a"{#c\n5,1})', True),
 ])
 def test_grammar_repetitions_with_max_below_min_are_400(grammar, bad):
     if bad:

@@ -69,3 +69,22 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         "aa", "aaa", "aaaa", "aaaaa"), ok.text
     w = gw.workers()[0]
     assert w["state"] == "ready" and w["restarts"] == 0, w  # never wedged
+
+
+def test_an_invalid_format_is_400_even_when_the_model_cannot_run(gateway_factory):
+    """``/api/generate`` checked ``format`` only after the model's availability, so an invalid
+    one got 503 "drained" / "unavailable" while ``/api/chat`` said 400 ``invalid format`` (a
+    fresh tester's find). The request's own fault comes first on both."""
+    cfg = base_config(free_port(), admin={"token": "t"})
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = gateway_factory(cfg)
+    r = httpx.post(gw.url + "/gateway/api/admin/workers/demo-cpu0/drain",
+                   headers={"Authorization": "Bearer t"}, timeout=30)
+    assert r.status_code == 200, r.text
+    for path, body in (("/api/generate", {"prompt": "hi"}), ("/api/chat", {"messages": MSGS})):
+        r = httpx.post(gw.url + path, timeout=30, json={"model": "demo", "format": 5,
+                                                        "stream": False, **body})
+        assert r.status_code == 400 and r.json()["error"].startswith("invalid format: 5"), \
+            (path, r.text)
+        r = httpx.post(gw.url + path, timeout=30, json={"model": "demo", "stream": False, **body})
+        assert r.status_code == 503, (path, r.text)  # drained: the valid request is refused

@@ -566,7 +566,7 @@ def test_a_request_that_freezes_workers_is_not_tried_on_a_third(tmp_path, gatewa
         "model": "demo", "prompt": "FREEZE-ME", "raw": True, "stream": False,
         "options": {"num_predict": 4}})
     assert r.status_code == 502, r.text
-    assert "the second worker to go down under it; it is not tried on another" in r.json()["error"]
+    assert "while it computed this request, which is not tried again" in r.json()["error"]
     events = log_events(gw.log_path)
     wedged = [e["worker"] for e in events if e.get("event") == "worker.wedged"]
     retried = [e for e in events if e.get("event") == "upstream.retry"]
@@ -579,6 +579,28 @@ def test_a_request_that_freezes_workers_is_not_tried_on_a_third(tmp_path, gatewa
         "model": "demo", "prompt": "hello", "raw": True, "stream": False,
         "options": {"num_predict": 4}})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_request_that_freezes_a_models_only_worker_is_not_tried_on_it_again(
+        tmp_path, gateway_factory):
+    """On a model with one worker, a request that froze it was retried on the same worker
+    once it had restarted, and froze it again (a fresh tester's find, with a schema that loops
+    llama-server's grammar parser). With no other worker to try, it is answered 502 after the
+    first wedge: one wedge, no retry."""
+    binary = fake_binary(tmp_path, "marker", first_only=False)
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(binary), "liveness_interval_s": 0.5, "liveness_timeout_s": 1,
+        "stop_grace_s": 1})
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = gateway_factory(cfg)
+    r = httpx.post(gw.url + "/api/generate", timeout=120, json={
+        "model": "demo", "prompt": "FREEZE-ME", "raw": True, "stream": False,
+        "options": {"num_predict": 4}})
+    assert r.status_code == 502, r.text
+    assert "while it computed this request, which is not tried again" in r.json()["error"]
+    events = log_events(gw.log_path)
+    assert len([e for e in events if e.get("event") == "worker.wedged"]) == 1
+    assert not [e for e in events if e.get("event") == "upstream.retry"]
 
 
 def test_wedged_worker_streams_end_with_error_and_it_restarts(tmp_path, gateway_factory):
