@@ -547,6 +547,27 @@ def test_a_request_waiting_on_a_frozen_worker_is_retried_when_it_is_found_wedged
     assert "wedged" in retried[0]["reason"], retried
 
 
+def _freezing_fakes(tmp_path, gateway_factory, n: int):
+    """A gateway of ``n`` single-slot FAKE workers (``marker`` mode: ``FREEZE-ME`` freezes the
+    worker that takes it), found wedged within about 2 s (liveness 0.5 s / 1 s)."""
+    binary = fake_binary(tmp_path, "marker", first_only=False)
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(binary), "liveness_interval_s": 0.5, "liveness_timeout_s": 1,
+        "stop_grace_s": 1}, scheduler={"prefix_affinity": False})
+    cfg["models"][0].update(cpu=n, slots=1)
+    return gateway_factory(cfg)
+
+
+def _freeze_me_gets_502(gw) -> list[dict]:
+    """Send ``FREEZE-ME``; it must get the not-tried-again 502. Returns the log's events."""
+    r = httpx.post(gw.url + "/api/generate", timeout=120, json={
+        "model": "demo", "prompt": "FREEZE-ME", "raw": True, "stream": False,
+        "options": {"num_predict": 4}})
+    assert r.status_code == 502, r.text
+    assert "while it computed this request, which is not tried again" in r.json()["error"]
+    return log_events(gw.log_path)
+
+
 def test_a_request_that_freezes_workers_is_not_tried_on_a_third(tmp_path, gateway_factory):
     """A request that freezes every worker that takes it (the FAKE worker's ``FREEZE-ME``, as a
     schema llama-server's grammar parser loops on did; a fresh tester's find) was retried on
@@ -554,20 +575,10 @@ def test_a_request_that_freezes_workers_is_not_tried_on_a_third(tmp_path, gatewa
     for one request. It is tried on a second worker (its first could have gone down for a cause
     of its own, as the SIGSTOP test above shows), not on a third: 502, and the third worker
     keeps serving."""
-    binary = fake_binary(tmp_path, "marker", first_only=False)
-    cfg = base_config(free_port(), llama_server={
-        "binary": str(binary), "liveness_interval_s": 0.5, "liveness_timeout_s": 1,
-        "stop_grace_s": 1}, scheduler={"prefix_affinity": False})
-    cfg["models"][0].update(cpu=3, slots=1)
-    gw = gateway_factory(cfg)
+    gw = _freezing_fakes(tmp_path, gateway_factory, 3)
     pids = {w["id"]: w["pid"] for w in gw.workers()}
     assert len(pids) == 3 and all(is_fake(p) for p in pids.values())
-    r = httpx.post(gw.url + "/api/generate", timeout=120, json={
-        "model": "demo", "prompt": "FREEZE-ME", "raw": True, "stream": False,
-        "options": {"num_predict": 4}})
-    assert r.status_code == 502, r.text
-    assert "while it computed this request, which is not tried again" in r.json()["error"]
-    events = log_events(gw.log_path)
+    events = _freeze_me_gets_502(gw)
     wedged = [e["worker"] for e in events if e.get("event") == "worker.wedged"]
     retried = [e for e in events if e.get("event") == "upstream.retry"]
     assert len(wedged) == 2 and len(set(wedged)) == 2, wedged
@@ -587,18 +598,7 @@ def test_a_request_that_freezes_a_models_only_worker_is_not_tried_on_it_again(
     once it had restarted, and froze it again (a fresh tester's find, with a schema that loops
     llama-server's grammar parser). With no other worker to try, it is answered 502 after the
     first wedge: one wedge, no retry."""
-    binary = fake_binary(tmp_path, "marker", first_only=False)
-    cfg = base_config(free_port(), llama_server={
-        "binary": str(binary), "liveness_interval_s": 0.5, "liveness_timeout_s": 1,
-        "stop_grace_s": 1})
-    cfg["models"][0].update(cpu=1, slots=1)
-    gw = gateway_factory(cfg)
-    r = httpx.post(gw.url + "/api/generate", timeout=120, json={
-        "model": "demo", "prompt": "FREEZE-ME", "raw": True, "stream": False,
-        "options": {"num_predict": 4}})
-    assert r.status_code == 502, r.text
-    assert "while it computed this request, which is not tried again" in r.json()["error"]
-    events = log_events(gw.log_path)
+    events = _freeze_me_gets_502(_freezing_fakes(tmp_path, gateway_factory, 1))
     assert len([e for e in events if e.get("event") == "worker.wedged"]) == 1
     assert not [e for e in events if e.get("event") == "upstream.retry"]
 
