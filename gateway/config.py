@@ -753,6 +753,11 @@ class GenerationConfig(_Section):
     """Tokens to generate when a request sets no num_predict; -1 = until end of text/context (as Ollama)."""
     num_predict_max: OptPositiveInt = None
     """Upper bound (tokens) for any request's num_predict; None = no bound."""
+    template_shapes: StrictBool = True
+    """Fill chat templates in from renders learned by the chat's shape
+    (``gateway.template_shapes``) instead of a worker's ``/apply-template`` per request;
+    false: the worker renders every chat (for a template that rewrites or tests the text of
+    messages, which the learned shapes cannot see)."""
 
     @model_validator(mode="after")
     def _default_within_max(self) -> "GenerationConfig":

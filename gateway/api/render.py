@@ -63,7 +63,8 @@ async def _apply_template(gw, model: str, msgs: list, fields: dict | None) -> st
     be filled in but whose shape is new, renders the shape first; gateway/template_shapes.py).
     Raises what ``apply_template`` raises."""
     entry = gw.inventory.resolve(model) if gw.inventory is not None else None
-    shapes = entry.template_shapes if entry is not None else None
+    shapes = entry.template_shapes if entry is not None and \
+        gw.config.generation.template_shapes else None
     key = shapes.key(msgs, fields) if shapes is not None else None
     if key is None:
         return await apply_template(gw, model, msgs, **(fields or {}))

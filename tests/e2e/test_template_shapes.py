@@ -116,3 +116,31 @@ def test_generate_prompts_from_learned_shapes_equal_the_workers_render(tmp_path,
     assert "<|start_header_id|>" in httpx.post(
         _worker(gw, "demo")[0] + "/detokenize", headers=_worker(gw, "demo")[1],
         json={"tokens": expected}, timeout=30).json()["content"]
+
+
+REWRITE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + "
+           "m['content'].replace('cat', 'dog') + '<|im_end|>\\n' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_that_rewrites_words_needs_template_shapes_off(tmp_path, gateway_factory):
+    """A template that rewrites the words of a message (``replace('cat', 'dog')``) keeps the
+    sentinel intact, so a learned shape filled in "I have a cat" where the worker renders "I
+    have a dog" (a fresh tester's find; no known model's template does this, README "Side
+    calls"). ``generation.template_shapes: false`` has the worker render every chat: then
+    the prompt is the worker's own, and every request asks for it."""
+    tpl = tmp_path / "rewrite.jinja"
+    tpl.write_text(REWRITE)
+    model = {"name": "demo", "path": "builtin:demo", "slots": 1, "context": 512, "cpu": 1,
+             "args": ["--chat-template-file", str(tpl)]}
+    for shapes_on in (True, False):
+        cfg = base_config(free_port(), log={"level": "debug", "format": "json"},
+                          generation={"template_shapes": shapes_on}, models=[model])
+        gw = gateway_factory(cfg)
+        prompts = ["I have a dog", "I have a cat", "I have a bird"]
+        got = [_generate(gw, "demo", p, None) for p in prompts]
+        msgs = [{"role": "user", "content": "I have a cat"}]
+        same = got[1]["context"] == _expected_context(gw, "demo", msgs, got[1]["response"])
+        assert same is (not shapes_on), shapes_on  # the limit a shape cannot see; off: exact
+        assert _template_calls(gw, "demo") == (1 if shapes_on else len(prompts)), shapes_on
+        gw.stop()
