@@ -12,16 +12,18 @@ request, retried on the model's other workers, froze each in turn (a fresh teste
 
 Checked here, wherever a schema or grammar reaches a worker: Ollama ``format`` and ``tools``,
 OpenAI ``response_format``, ``tools`` and llama-server's own ``json_schema`` / ``grammar``
-fields. Refused: a count pair whose minimum is above its maximum (``minItems``/``maxItems``,
-``minLength``/``maxLength``, ``minProperties``/``maxProperties``, ``minContains``/
-``maxContains``), a count above 2^31 - 1, numeric bounds no number (or, for ``type: integer``,
-no integer) satisfies, a ``pattern`` whose regex has a repetition ``{m,n}`` with ``n < m``, and
-a GBNF repetition ``{m,n}`` with ``n < m`` (comments and spaces inside the braces skipped, as
-llama.cpp skips them). Such a schema admits no value anyway, so the 400 loses no valid
-request. Also refused: more than :data:`ENUM_MAX` ``enum`` values in one schema, whose grammar
-the worker builds for longer than its liveness probes wait. Only the keys the worker builds a
-grammar from are walked (``properties``, ``items``, ``anyOf`` …; not ``not``, annotations or
-data such as ``default``).
+fields, as the worker reads them. Refused: a count pair whose minimum is above its maximum
+(``minItems``/``maxItems`` for arrays, ``minLength``/``maxLength`` for strings, either when no
+type is given), a count outside 0..2^31 - 1 (the worker's C ``int`` wraps it), numeric bounds no
+number (or, for ``integer``, no integer) satisfies, a ``pattern`` whose regex repeats ``{m,n}``
+with ``n < m`` as ``std::stoi`` reads the numbers, ``$ref`` targets in the document wherever
+they point, and a GBNF repetition ``{m,n}`` with ``n < m`` (comments and spaces inside the
+braces skipped, as llama.cpp skips them). Such a schema admits no value anyway, so the 400
+loses no valid request. Also refused: more than :data:`UNITS_MAX` schema nodes plus
+``enum``/``const`` values, whose grammar the worker builds for longer than its liveness probes
+wait. Only what the worker builds a grammar from is walked (``properties``, ``items``,
+``anyOf`` …, ``$ref`` targets; not ``not``, annotations, unreferenced ``$defs`` or data such as
+``default``). Fresh testers found the ways past earlier versions.
 """
 
 from __future__ import annotations
@@ -33,20 +35,22 @@ from gateway.api.errors import ApiError
 
 #: Largest count llama.cpp's schema reader keeps (a C ``int``).
 COUNT_MAX = 2**31 - 1
-#: Most ``enum`` / ``const`` values in one schema: the pinned llama.cpp builds their grammar in
-#: time that grows about quadratically (2,000 values 0.13 s, 20,000 values 4.8 s, 60,000 values
-#: past the liveness probes, which killed the worker; a fresh tester's measurements).
-ENUM_MAX = 4096
-_COUNT_PAIRS = (("minItems", "maxItems"), ("minLength", "maxLength"),
-                ("minProperties", "maxProperties"), ("minContains", "maxContains"))
+#: Most schema nodes plus ``enum``/``const`` values in one schema (an ``enum`` counted once per
+#: entry of a ``type`` list, which the worker copies it into): the pinned llama.cpp builds
+#: their grammar in time that grows about quadratically (2,000 enum values 0.13 s, 20,000
+#: 4.8 s, 30,000 ``anyOf`` consts 6.6 s, 60,000 of either past the liveness probes, which
+#: killed the worker; fresh testers' measurements).
+UNITS_MAX = 4096
+# The count pairs the worker reads (common/json-schema.cpp), with the type that reads them.
+_COUNT_PAIRS = (("minItems", "maxItems", "array"), ("minLength", "maxLength", "string"))
 # Keys whose value is one schema, a list of schemas, or a mapping of names to schemas: the
-# only ones walked (a value under ``not``, an annotation such as ``x-note`` or data such as
-# ``default`` is no schema the worker builds a grammar from; a fresh tester's find).
+# only ones walked, besides ``$ref`` targets (a value under ``not``, an annotation such as
+# ``x-note``, an unreferenced ``$defs`` entry or data such as ``default`` is no schema the
+# worker builds a grammar from; fresh testers' finds).
 _ONE = frozenset(("items", "additionalProperties", "contains", "propertyNames", "if", "then",
                   "else", "unevaluatedItems", "unevaluatedProperties", "additionalItems"))
 _LIST = frozenset(("prefixItems", "anyOf", "oneOf", "allOf", "items"))
-_BY_NAME = frozenset(("properties", "patternProperties", "$defs", "definitions",
-                      "dependentSchemas"))
+_BY_NAME = frozenset(("properties", "patternProperties", "dependentSchemas"))
 
 
 def _is_int(v) -> bool:
@@ -61,32 +65,49 @@ def check_schema(schema, where: str) -> None:
     """Raise ApiError(400) naming the place (``where``, then the path inside the schema, e.g.
     ``format.properties.tags``) when ``schema`` holds a bound the pinned llama-server cannot
     take (module docstring), a ``pattern`` with such a repetition, or more than
-    :data:`ENUM_MAX` ``enum``/``const`` values. Any other shape is left to the worker's own
-    checks."""
+    :data:`UNITS_MAX` nodes and ``enum``/``const`` values. ``$ref`` targets inside the document
+    (``#/…``, wherever they point, as the worker follows them) are checked where they are
+    used. Any other shape is left to the worker's own checks."""
     stack = [(schema, where)]
-    enums = 0
+    refs: set[str] = set()
+    units = 0
     while stack:
         node, path = stack.pop()
         if not isinstance(node, dict):
             continue
-        for lo_k, hi_k in _COUNT_PAIRS:
+        types = node.get("type")
+        tset = set(t for t in types if isinstance(t, str)) if isinstance(types, list) else \
+            ({types} if isinstance(types, str) else None)  # None: any (no type given)
+        copies = len(types) if isinstance(types, list) and types else 1
+        values = (len(node["enum"]) if isinstance(node.get("enum"), list) else 0) + \
+            ("const" in node)
+        units += 1 + copies * values
+        if units > UNITS_MAX:
+            raise ApiError(400, f"{path}: more than {UNITS_MAX} schema nodes and enum/const "
+                                f"values in the schema; the worker's grammar for them would "
+                                f"take too long to build")
+        for lo_k, hi_k, kind in _COUNT_PAIRS:
+            if tset is not None and kind not in tset:
+                continue  # read only for that type
             lo, hi = node.get(lo_k), node.get(hi_k)
             for k, v in ((lo_k, lo), (hi_k, hi)):
-                if _is_int(v) and v > COUNT_MAX:
-                    raise ApiError(400, f"{path}: {k} must be at most {COUNT_MAX}, got {v}")
+                if _is_int(v) and not 0 <= v <= COUNT_MAX:  # the worker's C int wraps others
+                    raise ApiError(400, f"{path}: {k} must be a whole number from 0 to "
+                                        f"{COUNT_MAX}, got {v}")
             if _is_int(lo) and _is_int(hi) and lo > hi:
                 raise ApiError(400, f"{path}: {lo_k} ({lo}) is greater than {hi_k} ({hi}); "
                                     f"no value can match the schema")
-        _check_bounds(node, path)
-        if isinstance(node.get("pattern"), str):
+        if tset is None or tset & {"integer", "number"}:
+            _check_bounds(node, path, integer=tset is not None and "integer" in tset)
+        if (tset is None or "string" in tset) and isinstance(node.get("pattern"), str):
             bad = _regex_bad_repetition(node["pattern"])
             if bad:
                 raise ApiError(400, f"{path}.pattern: repetition {bad} has its maximum below "
                                     f"its minimum")
-        enums += len(node["enum"]) if isinstance(node.get("enum"), list) else 0
-        if enums > ENUM_MAX:
-            raise ApiError(400, f"{path}: more than {ENUM_MAX} enum values in the schema; the "
-                                f"worker's grammar for them would take too long to build")
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/") and ref not in refs:
+            refs.add(ref)
+            stack.append((_pointer(schema, ref), f"{where}{ref[1:].replace('/', '.')}"))
         for k, v in node.items():
             if k in _LIST and isinstance(v, list):
                 stack.extend((x, f"{path}.{k}[{i}]") for i, x in enumerate(v))
@@ -96,7 +117,21 @@ def check_schema(schema, where: str) -> None:
                 stack.extend((x, f"{path}.{k}.{name}") for name, x in v.items())
 
 
-def _check_bounds(node: dict, path: str) -> None:
+def _pointer(doc, ref: str):
+    """The value a ``#/a/b/0`` JSON pointer names in ``doc``, or None."""
+    cur = doc
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(cur, dict):
+            cur = cur.get(part)
+        elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
+            cur = cur[int(part)]
+        else:
+            return None
+    return cur
+
+
+def _check_bounds(node: dict, path: str, integer: bool) -> None:
     lo_k = "minimum" if _is_num(node.get("minimum")) else "exclusiveMinimum"
     hi_k = "maximum" if _is_num(node.get("maximum")) else "exclusiveMaximum"
     lo, hi = node.get(lo_k), node.get(hi_k)
@@ -105,7 +140,7 @@ def _check_bounds(node: dict, path: str) -> None:
     if lo > hi or (lo == hi and "exclusive" in lo_k + hi_k):
         raise ApiError(400, f"{path}: {lo_k} ({lo}) and {hi_k} ({hi}) leave no number; no "
                             f"value can match the schema")
-    if node.get("type") == "integer":  # the worker's integer range (json-schema.cpp
+    if integer:  # the worker's integer range (json-schema.cpp
         # get_bound: inclusive bounds rounded inwards); an empty one answered 500 "Unexpected
         # empty grammar stack" (a fresh tester's find)
         first = math.floor(lo) + 1 if lo_k == "exclusiveMinimum" else math.ceil(lo)
@@ -115,10 +150,18 @@ def _check_bounds(node: dict, path: str) -> None:
                                 f"value can match the schema")
 
 
+def _stoi(text: str) -> int | None:
+    """``std::stoi``'s reading of ``text``: leading spaces, a sign, digits; what follows is
+    ignored ("2x" and "2.5" are 2); None when no digits start it."""
+    m = re.match(r"\s*([+-]?\d+)", text)
+    return int(m.group(1)) if m else None
+
+
 def _regex_bad_repetition(pattern: str) -> str:
     """The first ``{m,n}`` quantifier with ``n < m`` in the regex ``pattern`` (outside escapes
     and character classes), as text, or "": llama.cpp's json-schema-to-grammar copies regex
-    repetitions into the grammar as they are."""
+    repetitions into the grammar, reading each number with ``std::stoi`` up to the first ``}``
+    (so ``{5,2x}`` and ``{5,+2}`` are ``{5,2}``)."""
     i, n, in_class = 0, len(pattern), False
     while i < n:
         c = pattern[i]
@@ -130,9 +173,15 @@ def _regex_bad_repetition(pattern: str) -> str:
         elif c == "[":
             in_class = True
         elif c == "{":
-            m = re.match(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", pattern[i:])
-            if m and int(m.group(2)) < int(m.group(1)):
-                return m.group(0)
+            j = pattern.find("}", i)
+            if j < 0:
+                return ""
+            nums = pattern[i + 1:j].split(",")
+            if len(nums) == 2:
+                lo, hi = _stoi(nums[0]), _stoi(nums[1])
+                if lo is not None and hi is not None and hi < lo:
+                    return pattern[i:j + 1]
+            i = j
         i += 1
     return ""
 
@@ -156,10 +205,15 @@ def check_grammar(text, where: str) -> None:
             while i < n and text[i] not in "\r\n":
                 i += 1
         elif c == "{":
-            j = text.find("}", i)
-            if j < 0:
+            j = i + 1  # the closing brace, past comments (llama.cpp skips them, and the
+            while j < n and text[j] != "}":  # spaces, inside the braces too: parse_space)
+                if text[j] == "#":
+                    while j < n and text[j] not in "\r\n":
+                        j += 1
+                else:
+                    j += 1
+            if j >= n:
                 return
-            # llama.cpp skips spaces and comments inside the braces too (parse_space)
             inner = re.sub(r"#[^\r\n]*|\s", "", text[i + 1:j])
             lo, comma, hi = inner.partition(",")
             if comma and lo.isdigit() and hi.isdigit() and int(hi) < int(lo):

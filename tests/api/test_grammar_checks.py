@@ -16,8 +16,10 @@ from gateway.api.grammar_checks import COUNT_MAX, check_grammar, check_schema, c
      "format.anyOf[1]: minItems (2)"),
     ({"$defs": {"a": {"type": "array", "minItems": 3, "maxItems": 0}}, "$ref": "#/$defs/a"},
      "format.$defs.a: minItems (3)"),
-    ({"type": "array", "minItems": 5, "maxItems": 2**32 + 1}, f"maxItems must be at most {COUNT_MAX}"),
-    ({"type": "object", "minProperties": 2, "maxProperties": 1}, "minProperties (2)"),
+    ({"type": "array", "minItems": 5, "maxItems": 2**32 + 1},
+     f"maxItems must be a whole number from 0 to {COUNT_MAX}, got 4294967297"),
+    # read as a C int by the worker: -4294967291 is 5 there (a fresh tester's find)
+    ({"type": "array", "minItems": -4294967291, "maxItems": 2}, "minItems must be a whole number"),
     ({"type": "integer", "minimum": 10, "maximum": 1}, "minimum (10) and maximum (1) leave no number"),
     ({"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 5}, "exclusiveMinimum (5)"),
     ({"type": "number", "minimum": 5, "exclusiveMaximum": 5}, "minimum (5) and exclusiveMaximum (5)"),
@@ -34,8 +36,20 @@ from gateway.api.grammar_checks import COUNT_MAX, check_grammar, check_schema, c
      "format.properties.default: minLength (9)"),
     ({"type": "array", "items": [{"type": "string"}, {"type": "array", "minItems": 2,
                                                       "maxItems": 1}]}, "format.items[1]: minItems"),
-    ({"enum": [f"v{i}" for i in range(4097)]}, "more than 4096 enum values"),
-    ({"anyOf": [{"enum": list(range(3000))}, {"enum": list(range(1097))}]}, "more than 4096 enum"),
+    ({"enum": [f"v{i}" for i in range(4096)]}, "more than 4096 schema nodes and enum/const"),
+    ({"anyOf": [{"enum": list(range(3000))}, {"enum": list(range(1097))}]}, "more than 4096"),
+    ({"anyOf": [{"const": i} for i in range(3000)]}, "more than 4096"),  # consts count too
+    ({"type": ["string", "integer"], "enum": list(range(2100))}, "more than 4096"),  # copied
+    # $ref is followed wherever it points, as the worker follows it (a fresh tester's find)
+    ({"properties": {"a": {"$ref": "#/x-bad"}}, "x-bad": {"type": "array", "minItems": 5,
+                                                          "maxItems": 2}},
+     "format.x-bad: minItems (5)"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a", "minLength": 3,
+                                           "maxLength": 1}}}, "format.$defs.a: minLength (3)"),
+    # std::stoi reads "2x", "+2" and "2.5" as 2
+    ({"type": "string", "pattern": "^a{5,2x}$"}, "format.pattern: repetition {5,2x}"),
+    ({"type": "string", "pattern": "^a{5,+2}$"}, "format.pattern: repetition {5,+2}"),
+    ({"pattern": "^a{5,2.5}$"}, "format.pattern: repetition {5,2.5}"),
 ])
 def test_unsatisfiable_bounds_are_400_naming_where(schema, says):
     with pytest.raises(ApiError) as e:
@@ -58,7 +72,15 @@ def test_unsatisfiable_bounds_are_400_naming_where(schema, says):
     {"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 7},  # 6
     {"type": "number", "exclusiveMinimum": 5, "exclusiveMaximum": 6},
     {"type": "string", "pattern": "^[{5,2}]\\{5,2}x{2,5}$"},  # a class, an escape, a good one
-    {"enum": [f"v{i}" for i in range(4096)]},
+    {"enum": [f"v{i}" for i in range(4095)]},
+    # keys the worker does not read for that type, or at all; unreferenced $defs (a tester's)
+    {"type": "string", "minItems": 5, "maxItems": 2},
+    {"type": "string", "minimum": 5, "maximum": 1},
+    {"type": "array", "minContains": 3, "maxContains": 1},
+    {"minProperties": 3, "maxProperties": 1},
+    {"type": "object", "$defs": {"unused": {"type": "array", "minItems": 5, "maxItems": 2}}},
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},  # a cycle ends
+    {"$ref": "#/nowhere"},  # the worker's own error
 ])
 def test_satisfiable_or_other_schemas_pass(schema):
     check_schema(schema, "format")
@@ -77,6 +99,7 @@ def test_satisfiable_or_other_schemas_pass(schema):
     ('# c\rroot ::= "a"{5,1}', True),  # llama.cpp ends a comment at \r too
     ('root ::= ("a"{5,#c\n1})', True),  # and skips comments inside the braces
     ('root ::= ("a"{#c\n5,1})', True),
+    ('root ::= ( "a"{5, # }\n 2} )', True),  # a } inside a comment in the braces
 ])
 def test_grammar_repetitions_with_max_below_min_are_400(grammar, bad):
     if bad:
