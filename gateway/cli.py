@@ -92,15 +92,12 @@ def _args_override(args: list[str], slots: int, context: int) -> tuple[int, int,
     own ``-np`` / ``-c`` (llama-server takes the last of each; the running gateway reads the
     result back from ``/slots``): check-config printed the plan's values instead (a fresh
     tester's find). The note says which flags changed them."""
+    from gateway.config import CTX_FLAGS, SLOT_FLAGS, flag_values
+
     def last(names: tuple[str, ...]) -> int | None:
-        value = None
-        for i, a in enumerate(args):
-            flag, eq, rest = a.partition("=")
-            if flag in names:
-                v = rest if eq else (args[i + 1] if i + 1 < len(args) else "")
-                value = int(v) if v.isdigit() else value
-        return value
-    np_, c = last(("-np", "--parallel")), last(("-c", "--ctx-size"))
+        values = [int(v) for _, v in flag_values(args, names) if v and v.isdigit()]
+        return values[-1] if values else None
+    np_, c = last(SLOT_FLAGS), last(CTX_FLAGS)
     if np_ is None and c is None:
         return slots, context, ""
     n = np_ or slots

@@ -488,19 +488,30 @@ def _v_worker_args(v: object) -> list[str]:
             for i, a in enumerate(out) if a.split("=", 1)[0] in GATEWAY_FLAGS]
     # -np / -c shape the worker plan (slots, context per slot): a value that is not a whole
     # number passed check-config and left the worker unable to start (a fresh tester's find)
-    for i, a in enumerate(out):
-        flag, eq, rest = a.partition("=")
-        if flag in PLAN_FLAGS:
-            v = rest if eq else (out[i + 1] if i + 1 < len(out) else None)
-            if v is None or not re.fullmatch(r"-?\d+", v):
-                errs.append(((i,), f"{flag} takes a whole number, got {_got(v)}"))
+    for i, v in flag_values(out, SLOT_FLAGS + CTX_FLAGS):
+        if v is None or not re.fullmatch(r"-?\d+", v):
+            errs.append(((i,), f"{out[i].partition('=')[0]} takes a whole number, got {_got(v)}"))
     if errs:
         raise _Invalid(*errs)
     return out
 
 
-#: llama-server flags in ``args`` that change the worker plan (read back from ``/slots``).
-PLAN_FLAGS = frozenset({"-np", "--parallel", "-c", "--ctx-size"})
+#: llama-server flags in ``args`` that change the worker plan (read back from ``/slots``):
+#: its slots and its total context.
+SLOT_FLAGS = ("-np", "--parallel")
+CTX_FLAGS = ("-c", "--ctx-size")
+
+
+def flag_values(args: list[str], names: tuple[str, ...]) -> list[tuple[int, str | None]]:
+    """(index, value) of each flag of ``names`` in llama-server ``args``, given as
+    ``--flag value`` or ``--flag=value``; the value is None when none follows."""
+    out = []
+    for i, a in enumerate(args):
+        flag, eq, rest = a.partition("=")
+        if flag in names:
+            out.append((i, rest if eq else (args[i + 1] if i + 1 < len(args) else None)))
+    return out
+
 
 WorkerArgs = Annotated[list[str], PlainValidator(_v_worker_args)]
 

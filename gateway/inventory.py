@@ -49,8 +49,8 @@ _FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q
 
 def _open_gguf(path: Path):
     """gguf's GGUFReader on ``path``. Raises OSError, or ValueError for a file that is not GGUF
-    (no magic) or that it cannot parse: a cut-short file made it raise IndexError (a traceback and exit 1 at start, a 500
-    on reload; a fresh tester's find)."""
+    (no magic) or that it cannot parse: a cut-short file made it raise IndexError (a traceback
+    and exit 1 at start, a 500 on reload; a fresh tester's find)."""
     from gguf import GGUFReader
 
     with open(path, "rb") as f:  # the parser's own words for another file were numpy's

@@ -229,9 +229,9 @@ async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> i
 
     A prompt longer than the context in bytes is counted by a worker's ``/tokenize``, unless
     its bytes alone need more tokens than the context (``GGUFFacts.min_tokens``: refused at
-    once), or admission would refuse the request at once (``Admission.would_refuse``: full queue, no
-    worker can serve it): then nothing is asked and the handler gets admission's answer
-    without waiting for that side call (the scheduler's estimate and the worker still refuse a
+    once), or admission would refuse the request at once (``Admission.would_refuse``: full
+    queue, no worker can serve it): then nothing is asked and the handler gets admission's
+    answer without waiting for that side call (the scheduler's estimate and the worker still refuse a
     prompt that does not fit).
 
     ``gw`` is the Gateway (fleet, upstream session, ``context_per_slot``).

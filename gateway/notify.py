@@ -30,7 +30,7 @@ from gateway.logs import get_logger
 
 log = get_logger("gateway.notify")
 
-#: While start-up goes on: ``EXTEND_TIMEOUT_USEC`` of this many seconds …
+#: While start-up or a reload goes on: ``EXTEND_TIMEOUT_USEC`` of this many seconds …
 EXTEND_BY_S = 60.0
 #: … sent every this many seconds.
 EXTEND_EVERY_S = 20.0

@@ -22,6 +22,11 @@ def header_text(value: str) -> str:
     return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+#: A request past ``timeouts.request_s`` (504): the watchdog's cut, the wait for a slot, a
+#: side call begun after it.
+DEADLINE_MESSAGE = "request deadline exceeded"
+
+
 def context_overflow(prompt_tokens: int, n_ctx: int, approx: bool = False,
                      at_least: bool = False) -> str:
     """Ollama's over-long-prompt text plus the numbers (tokens): one message for every place

@@ -31,8 +31,8 @@ import orjson
 from gateway.admission import Admission
 from gateway.logs import get_logger
 from gateway.scheduling import SlotLease, Ticket, TooLarge, TooManySlots
-from gateway.texts import (KV_EXHAUSTED_MESSAGE, KV_EXHAUSTED_WORKER_TEXT, context_overflow,
-                          shutting_down_running)
+from gateway.texts import (DEADLINE_MESSAGE, KV_EXHAUSTED_MESSAGE, KV_EXHAUSTED_WORKER_TEXT,
+                          context_overflow, shutting_down_running)
 from gateway.watchdog import StreamWatch, Watchdog
 from gateway.worker_http import (SpareConnections, WorkerConnectionError, WorkerDown,
                                  WorkerPayloadError, WorkerResponse, send)
@@ -376,7 +376,7 @@ class Upstream:
                     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                         lease = await self.admission.wait(ticket)
             except TimeoutError:
-                raise UpstreamError(504, "request deadline exceeded while waiting for a "
+                raise UpstreamError(504, f"{DEADLINE_MESSAGE} while waiting for a "
                                          "slot", "deadline") from None
             except (TooLarge, TooManySlots) as e:
                 # the handler checked it fits; a reload (or a retry's fleet) since gave the model
@@ -403,7 +403,7 @@ class Upstream:
                             await resp.wait_head()
                 except TimeoutError:
                     if time.monotonic() >= deadline - 0.01:
-                        raise UpstreamError(504, "request deadline exceeded", "deadline") from None
+                        raise UpstreamError(504, DEADLINE_MESSAGE, "deadline") from None
                     self.watchdog.on_stall(lease.worker.id)
                     raise UpstreamError(504, f"worker {lease.worker.id} sent nothing within "
                                              f"{wait_s:g} s", "first_byte_timeout") from None

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gateway.logs import get_logger
+from gateway.texts import DEADLINE_MESSAGE
 from gateway.worker_http import WorkerResponse
 
 log = get_logger("gateway.watchdog")
@@ -146,7 +147,7 @@ class Watchdog:
                 progressed.add(w.worker_id)
             if now >= w.deadline:
                 log.warning("watchdog.deadline", request_id=w.request_id, worker=w.worker_id)
-                w.abort(self.make_error(504, "request deadline exceeded", "deadline"))
+                w.abort(self.make_error(504, DEADLINE_MESSAGE, "deadline"))
             elif not w.resp.answered and now - w.t_sent > self.first_byte_s:
                 self._stall(w, f"worker {w.worker_id} sent no token within {self.first_byte_s:g} "
                                f"s (it was still computing the prompt)" if w.bytes_seen else

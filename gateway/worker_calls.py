@@ -12,9 +12,10 @@ a restart or reload drains first), in the order of ``gateway.scheduling.side_cal
 worker that serves or served the request first when it is still in rotation, workers whose side
 call just failed last. Each try is bounded by ``timeout_s`` (default
 ``llama_server.liveness_timeout_s``: a side call costs no more than the liveness probe's
-``/slots``); a transport error, a timeout (unless the body is over :data:`BIG_BODY_BYTES`: then
-it is the body's size) or a worker's 503 is retried on another worker in rotation (or, with none left untried, on the same ones after a short pause) until the call's
-waiting time is over. With no worker in rotation the call waits like admission does (up to
+``/slots``); a transport error, a timeout (unless the body is over :data:`BIG_BODY_BYTES`:
+then it is the body's size) or a worker's 503 is retried on another worker in rotation (or,
+with none left untried, on the same ones after a short pause) until the call's waiting time
+is over. With no worker in rotation the call waits like admission does (up to
 ``wait_s``, default ``queue.timeout_s``, and never past the request deadline
 ``timeouts.request_s``), or raises admission's refusal at once when waiting cannot help.
 Client-facing errors name no worker address; the log has it (``worker_call.failed``).
@@ -31,8 +32,8 @@ import orjson
 from gateway.logs import get_logger
 from gateway.scheduling.side_calls import SideCallRouter
 from gateway.scheduling.worker_view import WorkerView
-from gateway.texts import (no_ready_worker, side_call_failed, side_call_too_big,
-                          side_call_unsupported)
+from gateway.texts import (DEADLINE_MESSAGE, no_ready_worker, side_call_failed,
+                          side_call_too_big, side_call_unsupported)
 from gateway.upstream import Endpoint, UpstreamError, current_request, parse_error_body
 
 log = get_logger("gateway.worker_calls")
@@ -168,7 +169,7 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
         if last is not None and tried.get(wid) and time.monotonic() >= until:
             raise _failed(model, path, last)  # every one tried, and time is up
         if hard is not None and time.monotonic() >= hard:  # not "no worker answered"
-            raise UpstreamError(504, "request deadline exceeded", "deadline")
+            raise UpstreamError(504, DEADLINE_MESSAGE, "deadline")
         limit = per_try if hard is None else min(per_try, hard - time.monotonic())
         try:
             reply = await _send(gw, ep, path, data, limit, model)
@@ -180,7 +181,7 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
                         url=ep.url, request_id=rid, attempt=sum(tried.values()),
                         error=e.detail, bytes=len(data or b""))
             if e.detail == "timeout" and hard is not None and time.monotonic() >= hard - 0.01:
-                raise UpstreamError(504, "request deadline exceeded", "deadline")
+                raise UpstreamError(504, DEADLINE_MESSAGE, "deadline")
             if e.detail == "timeout" and len(data or b"") > BIG_BODY_BYTES:
                 # the call's own size, not the worker, is the likely cause: every retry sent
                 # it again, and each worker worked on every abandoned copy (a fresh tester's

@@ -100,8 +100,9 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
     limit = input_limit(gw, entry)
     payload = text
     # A byte-level token is at least one byte, so only texts this long can exceed the limit.
-    if isinstance(text, str) and len(text.encode()) + 2 > limit:
-        least = entry.facts.min_tokens(len(text.encode()))
+    size = len(text.encode()) if isinstance(text, str) else 0  # bytes (a long text: once)
+    if isinstance(text, str) and size + 2 > limit:
+        least = entry.facts.min_tokens(size)
         if least + 1 > limit:  # too long whatever the tokenizer makes of it
             if not truncate:
                 raise ApiError(400, TOO_LONG)
