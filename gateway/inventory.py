@@ -21,6 +21,7 @@ from pathlib import Path
 from gateway.config import normalize_model_name
 from gateway.logs import get_logger
 from gateway.template_shapes import TemplateShapes
+from gateway.thinking_split import think_tags
 
 log = get_logger("gateway.inventory")
 
@@ -198,7 +199,8 @@ def capabilities(*, embeddings: bool, template: str, has_fim: bool, vision: bool
     ``embedding`` for ``embeddings: true`` models; otherwise ``completion``, plus ``tools`` when
     the chat template mentions tools, ``insert`` when the vocab has FIM tokens, ``vision`` when
     a projector (``--mmproj``) is configured, ``thinking`` when the template handles reasoning
-    (``<think>``, ``enable_thinking`` or ``reasoning_content``).
+    (``<think>``, ``enable_thinking``, ``reasoning_content`` or another tag pair of
+    ``thinking_split.TAG_PAIRS``).
     """
     if embeddings:
         return ["embedding"]
@@ -209,7 +211,8 @@ def capabilities(*, embeddings: bool, template: str, has_fim: bool, vision: bool
         caps.append("insert")
     if vision:
         caps.append("vision")
-    if any(k in template for k in ("<think>", "enable_thinking", "reasoning_content")):
+    if any(k in template for k in ("<think>", "enable_thinking", "reasoning_content")) \
+            or think_tags(template):
         caps.append("thinking")
     return caps
 

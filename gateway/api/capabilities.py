@@ -16,8 +16,9 @@ from gateway.worker_calls import fit_workers, side_call
 _PROJECTOR_ARGS = ("--mmproj", "-mm", "--mmproj-url", "-mmu")
 
 
-async def model_capabilities(gw, entry: ModelEntry) -> list[str]:
-    """Ollama capability names for ``entry`` (see ``inventory.capabilities``)."""
+async def model_template(gw, entry: ModelEntry) -> str:
+    """The chat template ``entry``'s workers render with: a ready worker's ``/props``
+    ``chat_template`` (read once), before that the GGUF's own (``""`` when it has none)."""
     if entry.worker_template is None and fit_workers(gw, entry.name):
         try:
             props = await side_call(gw, entry.name, "/props", None, wait_s=0, timeout_s=5)
@@ -25,10 +26,15 @@ async def model_capabilities(gw, entry: ModelEntry) -> list[str]:
             entry.worker_vision = bool((props.get("modalities") or {}).get("vision"))
         except UpstreamError:
             pass
+    return entry.worker_template if entry.worker_template is not None else entry.facts.chat_template
+
+
+async def model_capabilities(gw, entry: ModelEntry) -> list[str]:
+    """Ollama capability names for ``entry`` (see ``inventory.capabilities``)."""
+    template = await model_template(gw, entry)
     mcfg = gw.model_config(entry.name)
     args = list(gw.config.llama_server.extra_args) + (list(mcfg.args) if mcfg else [])
     vision = entry.worker_vision or any(a in _PROJECTOR_ARGS for a in args)
-    template = entry.worker_template if entry.worker_template is not None else entry.facts.chat_template
     return capabilities(embeddings=entry.embeddings, template=template, has_fim=entry.facts.has_fim,
                         vision=vision)
 

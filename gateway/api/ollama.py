@@ -26,7 +26,7 @@ from aiohttp import web
 from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api import worker_ints
-from gateway.api.capabilities import model_capabilities, require
+from gateway.api.capabilities import model_capabilities, model_template, require
 from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling, optional,
                                 read_json, start_stream, t0_ns, visible_entries)
 from gateway.api.errors import ApiError, admission_error, ollama_error, upstream_headers
@@ -45,6 +45,7 @@ from gateway.api.ollama_mapping import (
 from gateway.inventory import GGUFFacts, ModelEntry, now_utc_z
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease, worker_state
+from gateway.thinking_split import ThinkingSplit, think_tags
 from gateway.upstream import UpstreamError, iter_sse_batches
 from gateway.worker_calls import tokenize
 
@@ -186,6 +187,23 @@ async def _think_default(gw, entry: ModelEntry, think, fmt) -> object:
     return think
 
 
+async def _thinking_split(gw, entry: ModelEntry, think, prompt: str = "") -> ThinkingSplit | None:
+    """Ollama's thinking parser for an answer with ``think`` on, when the model's chat template
+    names its reasoning tags (``thinking_split.think_tags``), else None. A ``prompt`` (the
+    rendered text sent to ``/completion``) that ends with the opening tag has opened the
+    reasoning already (Ollama GenerateHandler: the tag is fed to the parser first)."""
+    if think is None or think is False:
+        return None
+    tags = think_tags(await model_template(gw, entry))
+    if tags is None:
+        return None
+    split = ThinkingSplit(*tags)
+    if prompt.rstrip().endswith(tags[0]):
+        split.add(tags[0])
+        split.raw.clear()  # the prompt's, not the answer's
+    return split
+
+
 def _think_kwargs(think) -> dict:
     """Ollama runner: ``think`` → ``chat_template_kwargs {enable_thinking, reasoning_effort?}``."""
     if think is None:
@@ -232,14 +250,16 @@ def _done_only(gw, entry: ModelEntry, name: str, keep_alive: float | None,
 
 
 async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_body: dict,
-                 stream: bool, chunk, final, echoed: str = ""):
+                 stream: bool, chunk, final, echoed: str = "",
+                 split: ThinkingSplit | None = None):
     """Run one generation on a leased worker and answer in Ollama's shape.
 
     ``chunk(st, content, thinking) -> dict`` builds a ``done:false`` object for a piece;
     ``final(st) -> dict`` (may be a coroutine) the ``done:true`` object. Errors before the first
     byte are HTTP errors; after it, an ``{"error": …}`` line ends the stream (Ollama routes.go
     streamResponse). ``echoed``: text the worker repeats at the start of its answer that is not
-    part of it (:func:`_unecho`).
+    part of it (:func:`_unecho`). ``split``: the reasoning tags to take out of the worker's
+    content into ``thinking`` (:func:`_thinking_split`).
     """
     gw = _gw(request)
     worker_ints.bound(upstream_body, gw.context_per_slot(entry.name))
@@ -255,30 +275,46 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
             st.t_loaded_ns = time.monotonic_ns()
             note_lease(request, lease)
             fold = st.fold_chat if is_chat else st.fold_completion_pair
+            lines: list[bytes] = []
+
+            def take(content: str, thinking: str) -> None:
+                if content or thinking:
+                    if stream:
+                        lines.append(orjson.dumps(chunk(st, content, thinking)))
+                    else:
+                        st.content.append(content)
+                        if thinking:
+                            st.thinking.append(thinking)
+
+            async def write_lines() -> None:
+                nonlocal out
+                if lines:  # the whole batch in one write (one syscall), newline-delimited
+                    if out is None:
+                        out = await prepare_ndjson(request)
+                    lines.append(b"")
+                    await out.write(b"\n".join(lines))
+                    lines.clear()
+
             async for batch in iter_sse_batches(resp):
                 note_first_byte(request)
                 st.created_at = now_utc_z()  # one timestamp per network read, not per token
-                lines = []
                 for data in batch:
                     content, thinking = fold(orjson.loads(data))
                     if st.error:
                         break
                     if echoed and content:
                         content, echoed = _unecho(content, echoed)
-                    if content or thinking:
-                        if stream:
-                            lines.append(orjson.dumps(chunk(st, content, thinking)))
-                        else:
-                            st.content.append(content)
-                            if thinking:
-                                st.thinking.append(thinking)
-                if lines:  # the whole batch in one write (one syscall), newline-delimited
-                    if out is None:
-                        out = await prepare_ndjson(request)
-                    lines.append(b"")
-                    await out.write(b"\n".join(lines))
+                    if split is not None and content:
+                        more, content = split.add(content)
+                        thinking += more
+                    take(content, thinking)
+                await write_lines()
                 if st.error:
                     break
+            if split is not None and not st.error:
+                thinking, content = split.end()
+                take(content, thinking)
+                await write_lines()
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         return _refused(gw, e)
     except UpstreamError as e:
@@ -359,6 +395,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     entry.touch(keep_alive)
     fmt = format_fields(body.get("format"), chat=False)  # also the check of ``format``
     echoed = ""
+    split = None
     if fmt and not any_image and not think:
         # Structured output as Ollama runs it: the chat template applied (with the tools, which
         # the format's grammar leaves no room to call, as on llama-server's chat route), then a
@@ -376,6 +413,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     else:
         path = "/v1/chat/completions"
         think = await _think_default(gw, entry, think, fmt)
+        split = await _thinking_split(gw, entry, think)
         up = {"model": entry.name, "messages": msgs, "stream": True,
               "stream_options": {"include_usage": True}, **_sampling(request, body, entry),
               **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}
@@ -410,7 +448,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
             obj["logprobs"] = st.take_logprobs(top)
         return obj
 
-    return await _relay(request, entry, path, up, stream, chunk, final, echoed)
+    return await _relay(request, entry, path, up, stream, chunk, final, echoed, split)
 
 
 def _context_tokens(value, n_vocab: int) -> list[int]:
@@ -468,11 +506,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not raw and not suffix:
         msgs = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": prompt}]
-    # think left out is not forced on here as on /api/chat: this route's /completion answer
-    # is not split into thinking and response, so a forced reasoning would land in `response`
-    # (a fresh tester's find; README "Known gaps")
+    if think is None and not fmt and not suffix and think_tags(await model_template(gw, entry)):
+        # left out: on, as Ollama forces it (and /api/chat here), where the answer can be split;
+        # a template without known tags keeps the worker's default, or the reasoning would
+        # land in ``response``
+        think = True
     rendered = await render_prompt(gw, entry.name, msgs, template_fields=_think_kwargs(think),
                                    text=prompt, context=context)
+    split = None if suffix else await _thinking_split(gw, entry, think, rendered)
     up: dict = {"stream": True, "cache_prompt": True, **sampling, **fmt}
     if lp or top:
         up["n_probs"] = max(top, 1)
@@ -503,21 +544,22 @@ async def generate(request: web.Request) -> web.StreamResponse:
             obj["response"] = response
         if st.thinking:
             obj["thinking"] = "".join(st.thinking)
-        if not raw:
-            obj["context"] = await tokenize(gw, entry.name, rendered + response,
+        if not raw:  # Ollama tokenizes the answer as generated, reasoning and tags included
+            said = "".join(split.raw) if split is not None else response
+            obj["context"] = await tokenize(gw, entry.name, rendered + said,
                                             prefer=request.get("worker"))
         obj.update(st.metrics())
         if lp or top:
             obj["logprobs"] = st.take_logprobs(top)
         return obj
 
-    if stream:
+    if stream and split is None:
         # The final object needs the whole response for ``context``: keep the pieces.
         def chunk_keep(st, content, thinking):
             st.content.append(content)
             return chunk(st, content, thinking)
         return await _relay(request, entry, path, up, stream, chunk_keep, final)
-    return await _relay(request, entry, path, up, stream, chunk, final)
+    return await _relay(request, entry, path, up, stream, chunk, final, split=split)
 
 
 def _dumps(obj) -> str:

@@ -47,11 +47,10 @@ def test_thinking_is_on_unless_turned_off(tmp_path, gateway_factory):
     assert off > on, (on, off)  # the empty think block of "off"
     assert api("/api/chat") == on  # left out: forced on
     assert api("/api/chat", think="high") == on
-    # /api/generate does not split its answer into thinking and response, so a reasoning
-    # forced on there would land in `response` (a fresh tester's find): left to the worker's
-    # default, off for this template; asked for, it is on
+    # /api/generate splits its answer by the template's tags (test_thinking_split.py), so
+    # think left out is on there too, as in Ollama's GenerateHandler
     g_on, g_off = api("/api/generate", think=True), api("/api/generate", think=False)
-    assert g_off > g_on and api("/api/generate") == g_off
+    assert g_off > g_on and api("/api/generate") == g_on
     assert v1() == on
     for effort in ("minimal", "low", "medium", "high"):
         assert v1(reasoning_effort=effort) == on, effort
