@@ -568,7 +568,7 @@ class Fleet:
         sup = self.supervisors.get(worker_id)
         if sup is None or sup.process is None or not sup.ready:
             return None
-        return Endpoint(sup.process.url, sup.process.api_key)
+        return Endpoint(sup.process.url, sup.process.api_key, sup.process.has_exited)
 
     def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))

@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -48,10 +48,12 @@ RETRYABLE = ("connection", "worker_gone", "worker_unavailable", "first_byte_time
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where a ready worker listens (``http://host:port``) and the per-start key it requires."""
+    """Where a ready worker listens (``http://host:port``), the per-start key it requires,
+    and whether the process behind it has exited (``WorkerProcess.has_exited``)."""
 
     url: str
     api_key: str
+    exited: Callable[[], bool] = lambda: False
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -382,7 +384,8 @@ class Upstream:
                 # the handler checked it fits; a reload (or a retry's fleet) since gave the model
                 # fewer slots or a shorter context: 400, as for a new request, not a queue timeout
                 raise UpstreamError(400, str(e), "does_not_fit") from None
-            resp = None
+            resp = ep = None
+            down_seen = False  # abort_worker gave up on this try (WorkerDown)
             try:
                 ep = self.endpoint_of(lease.worker.id)
                 if ep is None:
@@ -398,7 +401,8 @@ class Upstream:
                                           {"Authorization": f"Bearer {ep.api_key}",
                                            "Content-Type": "application/json"},
                                           spares=self.spares, progress=progress)
-                        # abort_worker gives up on it (a retry follows)
+                        # abort_worker gives up on it (a retry follows); a connection that
+                        # closes from here on closed under this request (``_crashed``)
                         with self._unanswered_while(lease.worker.id, resp):
                             await resp.wait_head()
                 except TimeoutError:
@@ -409,7 +413,7 @@ class Upstream:
                                              f"{wait_s:g} s", "first_byte_timeout") from None
                 except WorkerDown as e:
                     err = _down_error(e, lease.worker.id, went_down or self._alone(ticket, lease))
-                    went_down = True
+                    went_down = down_seen = True
                     raise err from None
                 except WorkerConnectionError as e:
                     raise UpstreamError(502, f"worker {lease.worker.id} unreachable: {e}",
@@ -425,11 +429,20 @@ class Upstream:
                     except WorkerDown as e:
                         err = _down_error(e, lease.worker.id,
                                           went_down or self._alone(ticket, lease))
-                        went_down = True
+                        went_down = down_seen = True
                         raise err from None
             except UpstreamError as e:
                 e.worker = lease.worker.id
                 self._give_back(ticket.request_id, lease, resp, deadline, hold=False)
+                if e.kind == "connection" and resp is not None and not down_seen \
+                        and await _crashed(ep):
+                    # the worker's process ended as its connection closed under this request:
+                    # the retry rule of a worker that went down (a crash is seen as a plain
+                    # connection reset before the supervisor sees the exit)
+                    e = _down_error(WorkerDown(f"worker {lease.worker.id} exited"),
+                                    lease.worker.id, went_down or self._alone(ticket, lease))
+                    e.worker = lease.worker.id
+                    went_down = True
                 if e.kind in RETRYABLE and attempt + 1 < self.attempts:
                     ticket.avoid = ticket.avoid | {lease.worker.id}
                     log.warning("upstream.retry", request_id=ticket.request_id,
@@ -437,7 +450,7 @@ class Upstream:
                     last = e
                     await asyncio.sleep(0.1 * (attempt + 1))
                     continue
-                raise
+                raise e
             except BaseException:
                 self._give_back(ticket.request_id, lease, resp, deadline, hold=not streamed)
                 raise
@@ -466,6 +479,24 @@ class Upstream:
                     client["events_streamed"] = client.get("events_streamed", 0) + resp.events
             return
         raise last or UpstreamError(502, "no worker answered")
+
+
+#: Longest wait (s) for the process of a worker whose connection closed under a request to be
+#: seen exited; a worker that crashes has exited before its connections close.
+CRASH_SEEN_S = 0.3
+
+
+async def _crashed(ep: Endpoint | None) -> bool:
+    """Whether the process behind ``ep`` exited as a request's connection to it closed:
+    polled every 10 ms for up to CRASH_SEEN_S."""
+    if ep is None:
+        return False
+    t_end = time.monotonic() + CRASH_SEEN_S
+    while not ep.exited():
+        if time.monotonic() >= t_end:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 def _down_error(e: WorkerDown, worker_id: str, no_retry: bool) -> UpstreamError:

@@ -253,6 +253,22 @@ class WorkerProcess:
     def returncode(self) -> int | None:
         return self.proc.returncode if self.proc else None
 
+    def has_exited(self) -> bool:
+        """Whether the process has ended: reaped (``returncode``), or, before asyncio's child
+        watcher reaps it, a zombie in ``/proc/<pid>/stat`` (Linux; state ``Z``). A worker that
+        crashes closes its connections in the same instant, so a request that sees its
+        connection close can tell a crash from a lost connection (``Upstream.request``)."""
+        if self.proc is None or self.proc.returncode is not None:
+            return True
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                stat = f.read()
+        except FileNotFoundError:
+            return os.path.isdir("/proc/self")  # gone; without /proc, unknown: alive
+        except OSError:
+            return False
+        return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")
+
     async def start(self) -> None:
         """Spawn the process. Raises OSError if the binary cannot be executed or its pid file
         cannot be written (the process is then killed and reaped)."""

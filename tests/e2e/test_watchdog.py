@@ -568,6 +568,18 @@ def _freeze_me_gets_502(gw) -> list[dict]:
     return log_events(gw.log_path)
 
 
+def _spared_and_serving(gw, pids: dict, downed: set) -> None:
+    """The one worker of ``pids`` (id → pid at start) not in ``downed`` kept its process and
+    was never restarted, and the gateway still answers."""
+    (spared,) = set(pids) - downed
+    now = {w["id"]: w for w in gw.workers()}
+    assert now[spared]["pid"] == pids[spared] and now[spared]["restarts"] == 0, now[spared]
+    ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "hello", "raw": True, "stream": False,
+        "options": {"num_predict": 4}})
+    assert ok.status_code == 200, ok.text
+
+
 def test_a_request_that_freezes_workers_is_not_tried_on_a_third(tmp_path, gateway_factory):
     """A request that freezes every worker that takes it (the FAKE worker's ``FREEZE-ME``, as a
     schema llama-server's grammar parser loops on did; a fresh tester's find) was retried on
@@ -583,13 +595,7 @@ def test_a_request_that_freezes_workers_is_not_tried_on_a_third(tmp_path, gatewa
     retried = [e for e in events if e.get("event") == "upstream.retry"]
     assert len(wedged) == 2 and len(set(wedged)) == 2, wedged
     assert len(retried) == 1 and retried[0]["worker"] == wedged[0], retried
-    (spared,) = set(pids) - set(wedged)
-    now = {w["id"]: w for w in gw.workers()}
-    assert now[spared]["pid"] == pids[spared] and now[spared]["restarts"] == 0, now[spared]
-    ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
-        "model": "demo", "prompt": "hello", "raw": True, "stream": False,
-        "options": {"num_predict": 4}})
-    assert ok.status_code == 200, ok.text
+    _spared_and_serving(gw, pids, set(wedged))
 
 
 def test_a_request_that_freezes_a_models_only_worker_is_not_tried_on_it_again(
@@ -601,6 +607,49 @@ def test_a_request_that_freezes_a_models_only_worker_is_not_tried_on_it_again(
     events = _freeze_me_gets_502(_freezing_fakes(tmp_path, gateway_factory, 1))
     assert len([e for e in events if e.get("event") == "worker.wedged"]) == 1
     assert not [e for e in events if e.get("event") == "upstream.retry"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_that_crashes_workers_is_not_tried_on_a_third(tmp_path, gateway_factory,
+                                                                 stream):
+    """A request that crashes the worker that takes it (the FAKE worker's ``CRASH-ME``) is seen
+    as a connection closed before any answer, before the supervisor sees the exit, and was
+    retried as a lost connection: on each of 3 workers in turn, 3 crashes for one request.
+    Seen exited as its connection closed, the worker counts as gone down under the request:
+    a second worker is tried, not a third; on a one-worker model none."""
+    gw = _freezing_fakes(tmp_path, gateway_factory, 3)
+    pids = {w["id"]: w["pid"] for w in gw.workers()}
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "CRASH-ME", "raw": True, "stream": stream,
+        "options": {"num_predict": 4}})
+    assert r.status_code == 502, r.text
+    assert "while it computed this request, which is not tried again" in r.text, r.text
+    # the supervisor may log the second exit after the answer: wait for it, and a moment more
+    # for a third that must not come
+    down = lambda: {e["worker"] for e in log_events(gw.log_path)  # noqa: E731
+                    if e.get("event") == "worker.down"}
+    wait_for(lambda: len(down()) >= 2, 10, "2 workers down")
+    time.sleep(1)
+    exited = down()
+    retried = [e for e in log_events(gw.log_path) if e.get("event") == "upstream.retry"]
+    assert len(retried) == 1 and len(exited) == 2, (retried, exited)
+    _spared_and_serving(gw, pids, exited)
+
+
+def test_a_request_that_crashes_a_models_only_worker_is_not_tried_again(tmp_path,
+                                                                         gateway_factory):
+    gw = _freezing_fakes(tmp_path, gateway_factory, 1)
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "CRASH-ME", "raw": True, "stream": False,
+        "options": {"num_predict": 4}})
+    assert r.status_code == 502, r.text
+    assert "which is not tried again" in r.json()["error"], r.text
+    down = lambda: [e for e in log_events(gw.log_path)  # noqa: E731
+                    if e.get("event") == "worker.down"]
+    wait_for(down, 10, "the worker down")
+    time.sleep(1)
+    assert len(down()) == 1
+    assert not [e for e in log_events(gw.log_path) if e.get("event") == "upstream.retry"]
 
 
 def test_wedged_worker_streams_end_with_error_and_it_restarts(tmp_path, gateway_factory):

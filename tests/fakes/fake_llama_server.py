@@ -20,7 +20,10 @@ says:
   handled like ``STALL-ME``, so the worker keeps its other slots working. A completion whose
   body contains ``FREEZE_MARKER`` (``FREEZE-ME``) freezes the whole process (its event loop
   sleeps: ``/slots``, ``/health`` and every other request go unanswered; SIGTERM still ends
-  it), as a request that sends llama-server's main loop into an endless loop does. Every other
+  it), as a request that sends llama-server's main loop into an endless loop does. A
+  completion whose body contains ``CRASH_MARKER`` (``CRASH-ME``) ends the process at once
+  (status 3, no answer: its connections close as the process exits), as a request that
+  crashes llama-server does. Every other
   ``/completion`` (what ``/api/generate`` with ``raw`` uses) streams ``n_predict``
   tokens (at most 64) and ends like llama-server's (``stop_type`` ``limit``, ``timings``); other
   completion routes answer 501. ``/health``, ``/slots`` (a new ``id_task`` per
@@ -54,6 +57,7 @@ from fake_common import health, key_auth  # noqa: E402
 STALL_MARKER = "STALL-ME"
 LEAK_MARKER = "LEAK-ME"
 FREEZE_MARKER = "FREEZE-ME"
+CRASH_MARKER = "CRASH-ME"
 
 
 class FakeSlots:
@@ -161,6 +165,8 @@ def main(argv: list[str]) -> None:
     async def answer_or_stall(request, body: bytes):
         if FREEZE_MARKER.encode() in body:
             time.sleep(3600)  # blocks the event loop: the whole worker stops answering
+        if CRASH_MARKER.encode() in body:
+            os._exit(3)
         i = await fake_slots.take()
         if LEAK_MARKER.encode() in body and not leaked:
             leaked.append(i)
