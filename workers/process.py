@@ -222,6 +222,11 @@ ROUTINE_WARNINGS = ("need to evaluate at least 1 token for each active slot", "n
                     "erasing old context checkpoint", "cancel task, id_task = ")
 
 
+#: Seconds after the first SIGTERM at which a worker still running gets a second one
+#: (:meth:`WorkerProcess.stop`).
+SECOND_SIGTERM_S = 1.5
+
+
 class WorkerProcess:
     """A started llama-server. ``url`` and ``api_key`` are what the upstream client needs."""
 
@@ -359,16 +364,35 @@ class WorkerProcess:
                 pass
 
     async def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM, wait ``grace_s`` seconds, then SIGKILL; returns once reaped."""
+        """SIGTERM; a second SIGTERM after SECOND_SIGTERM_S (or half the grace, if shorter)
+        if the process is still there; SIGKILL once ``grace_s`` seconds have passed since the
+        first. Returns the exit status once reaped.
+
+        The second signal is llama-server's own way out of a hung shutdown ("Received second
+        interrupt, terminating immediately", tools/server/server.cpp ``signal_handler``). Its
+        SIGTERM handler locks the task queue's mutex (``server_queue::terminate``); when the
+        signal lands on the main thread while that thread holds the lock (it was processing a
+        task: the cancel of a stream the gateway just closed, a ``/slots`` poll), the handler
+        waits for itself for good. Seen here in about 1 of 10 restarts whose drain ran out:
+        the worker sat out the whole grace and was SIGKILLed. The second SIGTERM reaches
+        another thread (the first handler keeps the signal blocked on its own), which exits.
+        A worker that is only slow to stop is not cut short: llama-server otherwise exits
+        within its 1 s HTTP polling interval (``HTTP_POLLING_SECONDS``)."""
         if self.proc is None:
             return None
         if self.proc.returncode is None:
             self.kill(signal.SIGTERM)
+            first = min(SECOND_SIGTERM_S, grace_s / 2)
             try:
-                await asyncio.wait_for(asyncio.shield(self.proc.wait()), grace_s)
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), first)
             except asyncio.TimeoutError:
-                self.log.warning("worker.stop_timeout", grace_s=grace_s)
-                self.kill(signal.SIGKILL)
+                self.log.info("worker.stop_second_signal", after_s=first)
+                self.kill(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), grace_s - first)
+                except asyncio.TimeoutError:
+                    self.log.warning("worker.stop_timeout", grace_s=grace_s)
+                    self.kill(signal.SIGKILL)
         return await self.wait()
 
     # ---- pid files: clean-up of survivors from an earlier gateway --------------------------

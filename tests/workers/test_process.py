@@ -1,6 +1,8 @@
 """workers/process.py: the launch command line, environment, and worker log routing."""
 
 import asyncio
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -269,3 +271,54 @@ def test_real_cpu_worker_flash_attention(tmp_path, monkeypatch, args, enabled):
     fa = [x for x in lines if "flash_attn" in x.lower() or "flash attention" in x.lower()]
     assert any(x.rstrip().endswith("= disabled") for x in fa) == (not enabled), fa
     assert any("Flash Attention enabled" in x for x in fa) == enabled, fa
+
+
+# A FAKE worker binary whose SIGTERM handler never returns on the first signal and exits on
+# the second, as llama-server's does when the signal lands while its main thread holds the
+# task queue's lock (server_queue::terminate; tools/server/server.cpp signal_handler).
+HANGS_ON_TERM = """
+import os, signal, sys, time
+hit = []
+def on_term(sig, frame):
+    if hit:
+        os._exit(1)
+    hit.append(1)
+    while True:
+        time.sleep(0.05)
+signal.signal(signal.SIGTERM, {handler})
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def _stop_fake(tmp_path, handler: str, grace_s: float):
+    script = tmp_path / "fake-worker"
+    script.write_text(f"#!{sys.executable}\n" + HANGS_ON_TERM.format(handler=handler))
+    script.chmod(0o755)
+
+    async def run():
+        p = WorkerProcess(spec(binary=script, gpus=()))
+        await p.start()
+        await asyncio.sleep(1.0)  # the handler is set before "ready"; Python starts in ~50 ms
+        with capture_logs() as logs:
+            t0 = time.monotonic()
+            rc = await p.stop(grace_s)
+            return rc, time.monotonic() - t0, [e["event"] for e in logs]
+
+    return asyncio.run(run())
+
+
+def test_a_worker_whose_shutdown_hangs_gets_a_second_sigterm(tmp_path):
+    """llama-server's SIGTERM handler can wait for good (1 restart in 6 whose drain ran out,
+    here); its second SIGTERM exits at once. The worker stopped in 1.5 s with status 1, not
+    after the whole grace and a SIGKILL."""
+    rc, took, events = _stop_fake(tmp_path, "on_term", grace_s=10)
+    assert rc == 1 and 1.4 < took < 4, (rc, took)
+    assert "worker.stop_second_signal" in events and "worker.stop_timeout" not in events
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_at_the_end_of_the_grace(tmp_path):
+    rc, took, events = _stop_fake(tmp_path, "signal.SIG_IGN", grace_s=2)
+    assert rc == -9 and 1.9 < took < 5, (rc, took)
+    assert events.count("worker.stop_timeout") == 1, events
