@@ -222,6 +222,11 @@ ROUTINE_WARNINGS = ("need to evaluate at least 1 token for each active slot", "n
                     "erasing old context checkpoint", "cancel task, id_task = ")
 
 
+#: Environment variable each worker is started with: ``<state directory>/<worker id>``; every
+#: process the worker starts inherits it, so a gateway finds what an earlier one on the same
+#: state directory left running (:func:`reap_stale_workers`).
+WORKER_MARKER_ENV = "LLAMA_GATEWAY_WORKER"
+
 #: Seconds after the first SIGTERM at which a worker still running gets a second one
 #: (:meth:`WorkerProcess.stop`).
 SECOND_SIGTERM_S = 1.5
@@ -280,10 +285,12 @@ class WorkerProcess:
         self.port = free_port()
         self.api_key = secrets.token_urlsafe(24)
         argv = self.spec.argv(self.port)
+        env = self.spec.env(self.api_key)
+        if self.state_dir is not None:  # found by the next gateway's reap_stale_workers
+            env[WORKER_MARKER_ENV] = os.fsdecode(_marker_prefix(self.state_dir)) + self.spec.worker_id
         self.proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=self.spec.env(self.api_key),
-            preexec_fn=set_pdeathsig)
+            stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=set_pdeathsig)
         self.log.info("worker.spawned", pid=self.proc.pid, port=self.port, argv=" ".join(argv[1:]))
         try:
             self._write_pidfile()
@@ -357,11 +364,47 @@ class WorkerProcess:
         return rc
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc and self.proc.returncode is None:
-            try:
+        """Send ``sig`` to the worker's whole process group (its own, ``set_pdeathsig``): a
+        ``binary`` that is a wrapper script starting llama-server without ``exec`` has it as a
+        child, which a signal to the wrapper alone left running, with its port and memory, on
+        every restart and stop (a fresh tester's find). Linux does not hand out a pid that is
+        still a group's id, so the group is ours as long as one of its processes lives."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # not ours (cannot happen for a group we made): the leader only
+            if self.proc.returncode is None:
                 self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
+
+    def _group_alive(self) -> bool:
+        """Whether a process of the worker's group other than a zombie still runs."""
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return any(pgrp == self.proc.pid and state not in (b"Z", b"X")
+                   for pgrp, state in _proc_groups())
+
+    async def _ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for the process and every process of its group
+        (a wrapper script's llama-server) to end; returns whether they did."""
+        assert self.proc is not None
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        while self._group_alive():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     async def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM; a second SIGTERM after SECOND_SIGTERM_S (or half the grace, if shorter)
@@ -380,19 +423,16 @@ class WorkerProcess:
         within its 1 s HTTP polling interval (``HTTP_POLLING_SECONDS``)."""
         if self.proc is None:
             return None
-        if self.proc.returncode is None:
+        if self.proc.returncode is None or self._group_alive():
             self.kill(signal.SIGTERM)
             first = min(SECOND_SIGTERM_S, grace_s / 2)
-            try:
-                await asyncio.wait_for(asyncio.shield(self.proc.wait()), first)
-            except asyncio.TimeoutError:
+            if not await self._ended(first):
                 self.log.info("worker.stop_second_signal", after_s=first)
                 self.kill(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), grace_s - first)
-                except asyncio.TimeoutError:
+                if not await self._ended(grace_s - first):
                     self.log.warning("worker.stop_timeout", grace_s=grace_s)
                     self.kill(signal.SIGKILL)
+                    await self._ended(5.0)
         return await self.wait()
 
     # ---- pid files: clean-up of survivors from an earlier gateway --------------------------
@@ -414,30 +454,70 @@ class WorkerProcess:
                 pass
 
 
-def reap_stale_workers(state_dir: Path) -> list[int]:
-    """Kill llama-server processes recorded by an earlier gateway that are still running.
+def _proc_groups():
+    """(process group id, state letter) of every process in ``/proc`` (Linux)."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(b")") + 2:].split()
+            if len(fields) > 2:
+                yield int(fields[2]), fields[0]
 
-    A pid counts only if ``/proc/PID/exe`` still is the recorded binary (pids get reused).
-    Returns the pids killed.
+
+def _marked_pids(marker: bytes) -> list[int]:
+    """Pids of the processes whose environment has a ``WORKER_MARKER_ENV`` value starting with
+    ``marker`` (those of other users cannot be read and are skipped)."""
+    found = []
+    key = WORKER_MARKER_ENV.encode() + b"=" + marker
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue
+            if any(v.startswith(key) for v in env.split(b"\0")):
+                found.append(int(d))
+    return found
+
+
+def reap_stale_workers(state_dir: Path) -> list[int]:
+    """Kill llama-server processes of an earlier gateway on ``state_dir`` still running.
+
+    A recorded pid counts only if ``/proc/PID/exe`` still is the recorded binary (pids get
+    reused); any process whose environment names a worker of ``state_dir``
+    (``WORKER_MARKER_ENV``) counts too: a wrapper script's llama-server, which the kernel's
+    parent-death signal does not reach (only the wrapper gets it), outlived a gateway killed
+    with SIGKILL and was not recognised by the pid file (a fresh tester's find). Returns the
+    pids killed.
     """
     killed = []
-    if not state_dir.is_dir():
-        return killed
     log = get_logger("workers.process")
-    for pf in state_dir.glob("*.pid"):
-        pid = _live_pid(pf)
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                log.warning("worker.stale_killed", pid=pid, pidfile=str(pf))
-            except OSError:
-                pass
+    pidfiles = list(state_dir.glob("*.pid")) if state_dir.is_dir() else []
+    stale = [(pid, str(pf)) for pf in pidfiles if (pid := _live_pid(pf)) is not None]
+    stale += [(pid, None) for pid in _marked_pids(_marker_prefix(state_dir))
+              if pid not in {p for p, _ in stale}]
+    for pid, pf in stale:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            log.warning("worker.stale_killed", pid=pid, pidfile=pf)
+        except OSError:
+            pass
+    for pf in pidfiles:
         try:
             pf.unlink()
         except FileNotFoundError:
             pass
     return killed
+
+
+def _marker_prefix(state_dir: Path) -> bytes:
+    return os.fsencode(str(state_dir.resolve())) + b"/"
 
 
 def _live_pid(pidfile: Path) -> int | None:

@@ -4,10 +4,16 @@ workers load and while they serve; the next start on the same address is clean."
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import os
+import signal
 import time
 
 import httpx
+import psutil
 import pytest
+
+from workers.provision import ensure_llama_server
 
 from tests.conftest import (base_config, free_port, llama_server_pids, orphaned, pid_alive,
                             start_gateway)
@@ -145,3 +151,89 @@ def test_port_0_gateways_keep_each_others_workers(tmp_path):
         first.terminate()
         first.wait(30)
     assert not pid_alive(pid1)
+
+
+def _wrapped_llama_servers(wrapper_pid: int) -> set[int]:
+    """The llama-server processes a wrapper script process started."""
+    try:
+        return {c.pid for c in psutil.Process(wrapper_pid).children(recursive=True)
+                if c.name() == "llama-server"}
+    except psutil.Error:
+        return set()
+
+
+def test_a_wrapper_script_without_exec_leaves_no_llama_server(tmp_path):
+    """``llama_server.binary`` a wrapper script that starts llama-server without ``exec`` (to
+    set an environment, say): the gateway signalled only the wrapper, and its llama-server,
+    with its port and (on a GPU) its memory, outlived an admin restart, the gateway's SIGTERM
+    and its SIGKILL, and the next start did not recognise it (a fresh tester's find). Now the
+    worker's process group is signalled and waited for, and the next start finds what a
+    SIGKILLed gateway left by the worker's environment marker."""
+    wrapper = tmp_path / "wrapped-llama-server"
+    tag = f"ORPHAN_TEST_{os.getpid()}_{port_tag(tmp_path)}"  # finds them below if this fails
+    wrapper.write_text(f"#!/bin/sh\nexport {tag}=1\n'{ensure_llama_server()}' \"$@\"\n")
+    wrapper.chmod(0o755)
+    port = free_port()
+    cfg = base_config(port, admin={"token": "t"},
+                      llama_server={"binary": str(wrapper), "threads": 1})
+    cfg["models"][0].update(cpu=1, slots=1)
+    seen: set[int] = set()  # every llama-server seen: ended below whatever happens
+    gw = start_gateway(tmp_path, cfg)
+    try:
+        _wrapper_lifecycle(tmp_path, cfg, gw, seen)
+    finally:
+        if gw.proc.poll() is None:
+            gw.proc.kill()
+        for pid in seen | _tagged(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def port_tag(tmp_path) -> str:
+    return "".join(c for c in tmp_path.name if c.isalnum())
+
+
+def _tagged(tag: str) -> set[int]:
+    """Processes whose environment has ``tag`` (the wrapper's and its llama-server's)."""
+    out = set()
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if tag in p.environ():
+                out.add(p.pid)
+    return out
+
+
+def _wrapper_lifecycle(tmp_path, cfg, gw, seen: set[int]) -> None:
+    (w,) = gw.workers()
+    (first,) = _wrapped_llama_servers(w["pid"])
+    seen.add(first)
+    # an admin restart: the old llama-server ends before the new one starts
+    r = httpx.post(gw.url + "/gateway/api/admin/workers/demo-cpu0/restart",
+                   headers={"Authorization": "Bearer t"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert not pid_alive(first), "the wrapper's llama-server outlived a restart"
+    (w,) = gw.workers()
+    (second,) = _wrapped_llama_servers(w["pid"])
+    seen.add(second)
+    # SIGKILL of the gateway: the kernel's parent-death signal reaches the wrapper only
+    gw.proc.kill()
+    gw.proc.wait()
+    time.sleep(0.5)
+    assert pid_alive(second)  # the orphan this test is about; the next start must end it
+    gw = start_gateway(tmp_path, cfg)
+    try:
+        _after_sigkill(gw, second, seen)
+    finally:
+        if gw.proc.poll() is None:
+            gw.proc.kill()
+
+
+def _after_sigkill(gw, second: int, seen: set[int]) -> None:
+    assert _children_gone({second}), "the next start left the orphan running"
+    assert f'"pid": {second}' in gw.log_path.read_text()  # gateway.stale_worker_reaped
+    (w,) = gw.workers()
+    (third,) = _wrapped_llama_servers(w["pid"])
+    seen.add(third)
+    # SIGTERM of the gateway: every process of the worker ends
+    assert gw.stop() == 0
+    assert _children_gone({third}), "the wrapper's llama-server outlived the gateway's stop"
