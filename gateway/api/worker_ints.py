@@ -15,6 +15,12 @@
   at the per-slot context (tokens); -1 ("the whole context": Ollama's docs/modelfile.md for
   ``repeat_last_n``, llama-server's own help for ``dry_penalty_last_n``) becomes that context,
   where the pinned llama-server refused -1 with 400.
+* **No endless generation.** A budget left unbounded (-1, absent) or above 10 times the slot's
+  context is 10 times that context, as Ollama's runner caps ``num_predict`` "to avoid the
+  model running on forever" (llm/server.go ``Completion``). Without llama-server's
+  ``--context-shift`` the context's end stops a generation first; with it (in a model's
+  ``args``) a request without ``num_predict`` never ended (a fresh tester's find: 23,235
+  tokens in 15 s on a 256-token slot, still going).
 """
 
 from __future__ import annotations
@@ -26,13 +32,16 @@ BUDGETS = ("n_predict", "max_tokens", "max_completion_tokens")
 #: Other 32-bit integer parameters of llama-server's ``/completion`` and ``/v1`` bodies.
 INT32_FIELDS = BUDGETS + ("top_k", "n_keep", "min_keep", "n_indent", "n_probs",
                           "dry_allowed_length", "n_discard")
+#: A generation's longest budget, in slot contexts (Ollama's ``10 * num_ctx``).
+MAX_CONTEXTS = 10
 #: Windows (tokens) that size a buffer in the worker's sampler.
 WINDOWS = ("repeat_last_n", "dry_penalty_last_n")
 
 
 def bound(body: dict, context: int) -> None:
-    """Clamp ``body``'s 32-bit integer fields in place and cap its penalty windows at
-    ``context`` (tokens per slot; 0 = unknown, windows left as they are). A number written as
+    """Clamp ``body``'s 32-bit integer fields in place, cap its token budget at
+    ``MAX_CONTEXTS`` × ``context`` (tokens per slot; adding ``n_predict`` when it has none)
+    and its penalty windows at ``context`` (0 = unknown: budget and windows left as they are). A number written as
     a float (``1e9``, ``40.0``) is taken as llama-server takes it, truncated to an integer
     (nlohmann's ``get<int32_t>``), and then bounded: ``repeat_last_n: 1e9`` got past an
     integers-only check and wedged a worker (a fresh tester's find). Other types are left
@@ -45,6 +54,13 @@ def bound(body: dict, context: int) -> None:
             body[k] = INT32_MAX if v > 0 else (-1 if k in BUDGETS else INT32_MIN)
     if context <= 0:
         return
+    most = MAX_CONTEXTS * context
+    budgets = [k for k in BUDGETS if type(body.get(k)) is int]
+    for k in budgets:
+        if body[k] < 0 or body[k] > most:
+            body[k] = most
+    if not budgets and not any(body.get(k) is not None for k in BUDGETS):
+        body["n_predict"] = most  # llama-server prefers it to max_tokens
     for k in WINDOWS:
         v = body.get(k)
         if type(v) is int and (v > context or v == -1):

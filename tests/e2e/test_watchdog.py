@@ -761,6 +761,34 @@ def test_configured_num_predict_default_bounds_every_api(gateway_factory):
     assert (lines[-1]["eval_count"], lines[-1]["done_reason"]) == (7, "length"), lines[-1]
 
 
+def test_context_shift_does_not_generate_forever(gateway_factory):
+    """Case 6 with llama-server's ``--context-shift`` in the model's args (a fresh tester's
+    find): the context's end no longer stops a generation, and one without ``num_predict`` /
+    ``max_tokens`` ran until ``request_s`` (an hour; 23,235 tokens in 15 s on a 256-token
+    slot, still going). It is capped at 10 slot contexts, as Ollama's runner caps it: 2,560
+    tokens, ``length``, on every API. Greedy sampling, so the random-weight demo model does
+    not stop early at an end-of-generation token."""
+    cfg = base_config(free_port(), llama_server={"threads": 1})
+    cfg["models"][0].update(cpu=1, slots=1, context=256, args=["--context-shift"])
+    gw = gateway_factory(cfg)
+    r = httpx.post(gw.url + "/api/generate", timeout=120, json={
+        "model": "demo", "prompt": "a", "raw": True, "stream": False,
+        "options": {"temperature": 0}})
+    assert r.status_code == 200, r.text
+    assert (r.json()["eval_count"], r.json()["done_reason"]) == (2560, "length"), r.json()
+    r = httpx.post(gw.url + "/api/generate", timeout=120, json={  # -1 spelled out, and -2
+        "model": "demo", "prompt": "a", "raw": True, "stream": False,
+        "options": {"temperature": 0, "num_predict": -2}})
+    assert (r.json()["eval_count"], r.json()["done_reason"]) == (2560, "length"), r.json()
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "a", "max_tokens": -1})):
+        r = httpx.post(gw.url + path, timeout=120,
+                       json={"model": "demo", "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        got = (r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"])
+        assert got == (2560, "length"), (path, r.json())
+
+
 def test_request_deadline_frees_slot(tmp_path, gateway_factory):
     cfg = base_config(free_port(), timeouts={"request_s": 1.0})
     cfg["models"][0].update(cpu=1, slots=1, context=32768)
