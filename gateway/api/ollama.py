@@ -272,7 +272,10 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     failure: UpstreamError | None = None
     try:
         async with gw.upstream.request(ticket, path, upstream_body) as (lease, resp):
-            st.t_loaded_ns = time.monotonic_ns()
+            # Ollama's load_duration ends once a runner has the request (a slot here), not
+            # at the worker's headers, which come with the first token after the prefill
+            # (tester S: load_duration held the whole prompt evaluation)
+            st.t_loaded_ns = int(lease.granted_at * 1e9)
             note_lease(request, lease)
             fold = st.fold_chat if is_chat else st.fold_completion_pair
             lines: list[bytes] = []

@@ -94,6 +94,9 @@ def test_case23_durations_match_worker_and_v1_usage(gw, client):
     assert r.eval_duration == pytest.approx(eval_s * 1e9, rel=0.05, abs=2e6)
     assert r.eval_count == after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 40
     assert r.total_duration >= r.prompt_eval_duration + r.eval_duration
+    # load_duration ends when the request has its slot, before the prefill (it ended at the
+    # worker's first token and so held the prompt evaluation too: a fresh tester's find)
+    assert r.load_duration + r.prompt_eval_duration + r.eval_duration <= r.total_duration
     assert r.total_duration <= wall
     v1 = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
         "model": "demo", "messages": msgs, "max_tokens": 40}).json()
