@@ -26,7 +26,7 @@ from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
 from gateway.scheduling import make_scorer
 from gateway.scheduling.scorer import keep_prefix_index
 from gateway.scheduling.slot_leaks import SlotLeak, SlotLeakWatch
-from gateway.sizing import SizeEstimate, estimate
+from gateway.sizing import SizeEstimate, estimate, wide_bytes
 from gateway.speed import SpeedBoard
 from gateway.upstream import Endpoint
 from workers.gpu import read_gpu_stats
@@ -43,6 +43,17 @@ log = get_logger("gateway.fleet")
 # ordinary English prose, the common case for chat prompts.
 _TOKENIZE_SAMPLE = ("You are a helpful assistant. Answer the user's questions clearly and "
                     "concisely, and explain your reasoning step by step when it helps. ") * 4
+# Samples of non-ASCII text (the same request in Chinese, Japanese, Korean and Russian); the
+# fewest bytes per token among them is the model's ratio for non-ASCII bytes (gateway.sizing).
+_WIDE_SAMPLES = (
+    "你是一个乐于助人的助手。请清楚而简洁地回答用户的问题，并在有帮助时逐步解释你的推理。",
+    "あなたは親切なアシスタントです。ユーザーの質問に明確かつ簡潔に答え、役立つときは推論を"
+    "順を追って説明してください。",
+    "당신은 도움이 되는 조수입니다. 사용자의 질문에 명확하고 간결하게 답하고, 도움이 될 때는 "
+    "추론을 단계별로 설명하십시오.",
+    "Вы полезный помощник. Отвечайте на вопросы пользователя ясно и кратко и объясняйте ход "
+    "рассуждений шаг за шагом, когда это помогает.",
+)
 
 
 def _model_args(mcfg) -> list[str]:
@@ -104,6 +115,7 @@ class Fleet:
         self.on_new_process = None
         self.pollers: dict[str, WorkerPoller] = {}
         self.bytes_per_token: dict[str, float] = {}
+        self.wide_bytes_per_token: dict[str, float] = {}  # of non-ASCII text (gateway.sizing)
         self.speeds = SpeedBoard()  # measured decode speed per worker process
         self.measured_speed = True  # scheduler.measured_speed (set by apply_scheduler)
         self.slot_watches: dict[str, SlotLeakWatch] = {}  # worker id -> its leaked-slot watch
@@ -526,28 +538,39 @@ class Fleet:
             d.set_speed(wid, speed)
 
     async def _measure_tokenizer(self, sup: WorkerSupervisor) -> None:
-        """Bytes per token of this model's tokenizer, from the worker's ``/tokenize``."""
+        """Bytes per token of this model's tokenizer, of ASCII text and of non-ASCII text
+        (the fewest among ``_WIDE_SAMPLES``, each sample's tokens all counted against its
+        non-ASCII bytes), from the worker's ``/tokenize``."""
         ep = self.endpoint_of(sup.id)
         if ep is None or self._session is None:
             return
+        counts = []
         try:
-            async with self._session.post(ep.url + "/tokenize", json={"content": _TOKENIZE_SAMPLE},
-                                          headers={"Authorization": f"Bearer {ep.api_key}"},
-                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
-                toks = (await r.json(content_type=None)).get("tokens") or []
+            for text in (_TOKENIZE_SAMPLE,) + _WIDE_SAMPLES:
+                async with self._session.post(ep.url + "/tokenize", json={"content": text},
+                                              headers={"Authorization": f"Bearer {ep.api_key}"},
+                                              timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    counts.append(len((await r.json(content_type=None)).get("tokens") or []))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
             log.warning("tokenizer.measure_failed", worker=sup.id, error=str(e))
             return
-        if toks:
-            bpt = len(_TOKENIZE_SAMPLE.encode()) / len(toks)
+        if all(counts):
+            bpt = len(_TOKENIZE_SAMPLE.encode()) / counts[0]
+            wide = min(wide_bytes(t.encode()) / n for t, n in zip(_WIDE_SAMPLES, counts[1:]))
             self.bytes_per_token[sup.spec.alias] = bpt
+            self.wide_bytes_per_token[sup.spec.alias] = wide
             log.info("tokenizer.measured", worker=sup.id, model=sup.spec.alias,
-                     bytes_per_token=round(bpt, 3))
+                     bytes_per_token=round(bpt, 3), wide_bytes_per_token=round(wide, 3))
 
     def bytes_per_token_of(self, model: str) -> float:
         """UTF-8 bytes per token of ``model``'s tokenizer as measured on a worker, else the
         configured ``scheduler.bytes_per_token``."""
         return self.bytes_per_token.get(model, self.config.scheduler.bytes_per_token)
+
+    def wide_bytes_per_token_of(self, model: str) -> float | None:
+        """UTF-8 bytes per token of non-ASCII text for ``model`` as measured on a worker, else
+        None (the ASCII ratio stands for both)."""
+        return self.wide_bytes_per_token.get(model)
 
     def estimate(self, model: str, body: dict, counted_tokens: int | None = None) -> SizeEstimate:
         """Size estimate and prefix key of an upstream body for ``model`` (gateway.sizing;
@@ -555,6 +578,7 @@ class Fleet:
         sc = self.config.scheduler
         n_ctx = max((w.n_ctx for w in self.admission.dispatcher.workers_for(model)), default=0)
         return estimate(body, bytes_per_token=self.bytes_per_token_of(model),
+                        wide_bytes_per_token=self.wide_bytes_per_token_of(model),
                         prefix_bytes=sc.prefix_bytes,
                         unknown_num_predict=sc.unknown_num_predict_tokens, n_ctx=n_ctx,
                         counted_tokens=counted_tokens)

@@ -3,7 +3,11 @@
 The gateway does not tokenize on the hot path. It estimates a prompt's tokens from its UTF-8
 size and a bytes-per-token ratio: the configured ``scheduler.bytes_per_token`` until the fleet
 has measured the model's tokenizer on a worker (``/tokenize`` of a sample text,
-``gateway.fleet``). For the up-front "cannot fit" refusal the estimate is divided by
+``gateway.fleet``). Bytes of non-ASCII characters (CJK, Cyrillic …) have a ratio of their own
+(``wide_bytes_per_token``, measured on samples of such text): a tokenizer spends far more
+tokens per byte on them (0.9 bytes a token for the demo's byte-level vocabulary against 1.9 for
+English), and a ratio measured on English let 4 requests of CJK prompts onto a worker whose KV
+cache held 2 (tester S: 503 for the other two). For the up-front "cannot fit" refusal the estimate is divided by
 ``REFUSE_SAFETY`` (1.25) so that text that tokenizes better than the sample is not refused
 wrongly; the worker itself still refuses what slips through (llama-server
 ``exceed_context_size_error``, relayed as 400).
@@ -126,31 +130,38 @@ def content_text(content) -> str:
     return ""
 
 
-def _chain_parts(body: dict, bytes_per_token: float, prefix_bytes: int) -> list[tuple[bytes, int]]:
+def _chain_parts(body: dict, bytes_per_token: float, prefix_bytes: int,
+                 wide_bytes_per_token: float | None = None) -> list[tuple[bytes, int]]:
     """The parts ``prefix_chain`` hashes: one per chat message (role and text), else slices of
     a plain prompt (string or token ids) at doubling boundaries."""
     msgs = body.get("messages")
+
+    def tokens(b: bytes, extra: int = 0) -> int:
+        return math.ceil(text_tokens(len(b) + extra, wide_bytes(b), bytes_per_token,
+                                     wide_bytes_per_token))
     if isinstance(msgs, list):
         parts = []
         for m in msgs:
             if isinstance(m, dict):
                 b = str(m.get("role", "")).encode() + b"\0" + content_text(m.get("content")).encode()
-                parts.append((b, math.ceil((len(b) + _MSG_OVERHEAD_BYTES) / bytes_per_token)))
+                parts.append((b, tokens(b, _MSG_OVERHEAD_BYTES)))
         return parts
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        data, per = prompt.encode(), 1 / bytes_per_token
+        data: bytes | list = prompt.encode()
         first = prefix_bytes
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        data, per = prompt, 1.0
+        data = prompt
         first = max(1, math.ceil(prefix_bytes / bytes_per_token))
     else:
         return []
     parts, prev = [], 0
     for b in _doubling(len(data), first):
         chunk = data[prev:b]
-        parts.append((chunk if isinstance(chunk, bytes) else repr(chunk).encode(),
-                      math.ceil((b - prev) * per)))
+        if isinstance(chunk, bytes):
+            parts.append((chunk, tokens(chunk)))
+        else:
+            parts.append((repr(chunk).encode(), b - prev))
         prev = b
     return parts
 
@@ -175,19 +186,38 @@ def prompt_head_and_size(body: dict) -> tuple[bytes, int]:
     return b"", 0
 
 
-def _prompt_tokens(size: int, bytes_per_token: float) -> tuple[int, int]:
+_HIGH_BYTES = bytes(range(128, 256))
+
+
+def wide_bytes(data: bytes) -> int:
+    """Bytes of ``data`` (UTF-8) that belong to non-ASCII characters."""
+    return len(data) - len(data.translate(None, _HIGH_BYTES))
+
+
+def text_tokens(size: int, wide: int, bytes_per_token: float,
+                wide_bytes_per_token: float | None) -> float:
+    """Estimated tokens of ``size`` bytes of text, ``wide`` of them non-ASCII (no rounding)."""
+    if wide_bytes_per_token is None or not wide:
+        return size / bytes_per_token
+    return (size - wide) / bytes_per_token + wide / wide_bytes_per_token
+
+
+def _prompt_tokens(size: int, wide: int, bytes_per_token: float,
+                   wide_bytes_per_token: float | None) -> tuple[int, int]:
     """(estimated tokens, tokens for the up-front refusal) of ``prompt_head_and_size``'s size
-    (bytes, or tokens when negative)."""
+    (bytes, ``wide`` of them non-ASCII, or tokens when negative)."""
     if size < 0:
         return -size, -size
-    return (math.ceil(size / bytes_per_token),
-            math.floor(size / (bytes_per_token * REFUSE_SAFETY)))
+    t = text_tokens(size, wide, bytes_per_token, wide_bytes_per_token)
+    return math.ceil(t), math.floor(t / REFUSE_SAFETY)
 
 
 def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
              unknown_num_predict: int, n_ctx: int = 0,
-             counted_tokens: int | None = None) -> SizeEstimate:
-    """Size estimate of one upstream request body. ``n_predict`` / ``max_tokens`` /
+             counted_tokens: int | None = None,
+             wide_bytes_per_token: float | None = None) -> SizeEstimate:
+    """Size estimate of one upstream request body. ``bytes_per_token``: UTF-8 bytes per token
+    of ASCII text, ``wide_bytes_per_token`` of non-ASCII text (None: the same). ``n_predict`` / ``max_tokens`` /
     ``max_completion_tokens`` give the generation budget; when absent or < 0,
     ``unknown_num_predict`` tokens are assumed (capped by ``n_ctx`` if known).
     ``counted_tokens``: the prompt's tokens as a worker's tokenizer counted them (the prompt
@@ -208,15 +238,19 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
     if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
         gen = unknown_num_predict
     if several is not None:
-        sizes = [_prompt_tokens(prompt_head_and_size({"prompt": p})[1], bytes_per_token)
-                 for p in several]
+        sizes = []
+        for p in several:
+            head, size = prompt_head_and_size({"prompt": p})
+            sizes.append(_prompt_tokens(size, wide_bytes(head) if size > 0 else 0,
+                                        bytes_per_token, wide_bytes_per_token))
         kv = [min(t + gen, n_ctx) if n_ctx else t + gen for t, _ in sizes]
         return SizeEstimate(prompt_tokens=max(r for _, r in sizes),
                             est_tokens=math.ceil(sum(kv) / len(kv)), prefix_key=None,
                             prefill_tokens=sum(t for t, _ in sizes),
                             slots=len(several) * choices(body), prompts=len(several))
     flat, size = prompt_head_and_size(body)
-    prompt, refuse = _prompt_tokens(size, bytes_per_token)
+    prompt, refuse = _prompt_tokens(size, wide_bytes(flat) if size > 0 else 0,
+                                    bytes_per_token, wide_bytes_per_token)
     if counted_tokens is not None:
         prompt = refuse = counted_tokens
     est = prompt + gen
@@ -225,6 +259,6 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
     key = None
     if flat:
         key = int.from_bytes(hashlib.blake2b(flat[:prefix_bytes], digest_size=8).digest(), "big")
-    chain = prefix_chain(_chain_parts(body, bytes_per_token, prefix_bytes))
+    chain = prefix_chain(_chain_parts(body, bytes_per_token, prefix_bytes, wide_bytes_per_token))
     return SizeEstimate(prompt_tokens=refuse, est_tokens=est, prefix_key=key, prefix_chain=chain,
                         prefill_tokens=prompt, slots=choices(body))

@@ -17,6 +17,25 @@ def test_completion_prompt_and_budget():
     assert est({"prompt": "x" * 200, "n_predict": -1}, n_ctx=120).est_tokens == 120
 
 
+def test_non_ascii_bytes_have_their_own_ratio():
+    """CJK text costs a tokenizer far more tokens per byte than English: its bytes are
+    estimated with the ratio measured on such text (tester S: English's ratio let two CJK
+    requests share a KV cache that held one)."""
+    cjk = "问题" * 50  # 300 bytes
+    e = est({"prompt": cjk, "n_predict": 0}, wide_bytes_per_token=1.0)
+    assert (e.prefill_tokens, e.est_tokens) == (300, 300)
+    assert e.prompt_tokens == int(300 / REFUSE_SAFETY)
+    e = est({"prompt": "ab" * 50 + cjk, "n_predict": 0}, wide_bytes_per_token=1.0)
+    assert e.prefill_tokens == 50 + 300  # 100 ASCII bytes at 2 a token, 300 at 1
+    # without a measured ratio for it, non-ASCII text counts as the ASCII ratio says
+    assert est({"prompt": cjk, "n_predict": 0}).prefill_tokens == 150
+    # chat messages and the prefix chain count the same way
+    e = est({"messages": [{"role": "user", "content": cjk}], "max_tokens": 0},
+            wide_bytes_per_token=1.0)
+    # "user", a separator and 8 bytes of template: 13 ASCII bytes at 2 a token
+    assert e.prefill_tokens == 307 and e.prefix_chain[-1][1] == e.prefill_tokens
+
+
 def test_token_list_prompt_is_exact():
     e = est({"prompt": list(range(300)), "max_tokens": 10})
     assert e.prompt_tokens == 300 and e.est_tokens == 310 and e.prefill_tokens == 300
