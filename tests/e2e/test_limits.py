@@ -10,6 +10,7 @@ import zlib
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from gateway.texts import CONTEXT_OVERFLOW_MESSAGE
@@ -385,3 +386,31 @@ def test_request_id_is_bounded_and_printable(limited):
         rid = r.headers["X-Request-ID"]
         assert r.status_code == 200 and rid != bad and len(rid) == 32 and int(rid, 16) >= 0
     assert "b" * 129 not in limited.log_path.read_text()
+
+
+def test_a_body_of_millions_of_arrays_is_413_without_the_memory(gateway_factory):
+    """A 60 KiB gzip body that decodes to 60 MiB of empty arrays in a field nobody reads
+    (within ``max_body_bytes``, 64 MiB): parsed, it was 21 million Python lists, 1.2 GiB, and
+    the depth walk kept the event loop busy for 18 s, long enough for systemd's watchdog (a
+    fresh tester's find). It is 413 from the count of its brackets, before any parse, in each
+    API's shape, and the gateway's memory stays where it was."""
+    cfg = base_config(free_port())
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = gateway_factory(cfg)
+    bomb = gzip.compress(b'{"model": "demo", "prompt": "hi", "junk": ['
+                         + b"[]," * 20_000_000 + b"[]]}")
+    assert len(bomb) < 100_000
+    rss = psutil.Process(gw.proc.pid).memory_info().rss
+    for path in ("/api/generate", "/v1/completions"):
+        r = httpx.post(gw.url + path, content=bomb, timeout=60,
+                       headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        msg = err["message"] if path.startswith("/v1") else err
+        assert msg.startswith("request body too large: more than 1048576 JSON arrays"), r.text
+    grew = psutil.Process(gw.proc.pid).memory_info().rss - rss
+    assert grew < 300 * 2 ** 20, grew  # the decoded body itself (60 MiB) and its copies only
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "hi", "raw": True, "stream": False,
+        "options": {"num_predict": 2}})
+    assert r.status_code == 200, r.text
