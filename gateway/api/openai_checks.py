@@ -12,6 +12,7 @@ from gateway.api.capabilities import model_capabilities, require
 from gateway.api.errors import ApiError
 from gateway.api.grammar_checks import check_grammar, check_schema, check_tools
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN, past_int64
+from gateway.api.openai_legacy import MAX_LOGPROBS
 
 
 async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dict | None, bool]:
@@ -95,6 +96,12 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
         check_int("top_logprobs", top)
         if not 0 <= top <= 20:  # Ollama's check: its /v1 goes through /api/chat
             raise ApiError(400, "top_logprobs must be between 0 and 20")
+    if body.get("n_probs") is not None:  # llama-server's own field, passed through: the top
+        # n of the whole vocabulary per token (a 69 MB answer for the demo's 559 tokens, and
+        # the gateway folds a non-streamed one in memory; a fresh tester's find)
+        check_int("n_probs", body["n_probs"])
+        if not 0 <= body["n_probs"] <= MAX_LOGPROBS:
+            raise ApiError(400, f"n_probs must be between 0 and {MAX_LOGPROBS}, as top_logprobs")
     stream = body.get("stream") is True
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):

@@ -101,12 +101,27 @@ def test_embedding_batch_larger_than_queue_is_served(gw):
     ("logit_bias", {"100000": -1}, "logit_bias token 100000 is outside the model's vocabulary "
                                    "of 559 tokens"),
     ("logit_bias", [[-1, 2]], "logit_bias token -1 is outside the model's vocabulary of 559 tokens"),
-    ("top_logprobs", 10 ** 30, "top_logprobs is out of range for a 64-bit integer")])
+    ("top_logprobs", 10 ** 30, "top_logprobs is out of range for a 64-bit integer"),
+    # llama-server's own n_probs: the whole vocabulary per token (a 69 MB answer on the demo;
+    # a fresh tester's find)
+    ("n_probs", 559, "n_probs must be between 0 and 20, as top_logprobs"),
+    ("n_probs", -1, "n_probs must be between 0 and 20, as top_logprobs"),
+    ("n_probs", "5", 'n_probs must be an integer, got "5"')])
 def test_v1_wrong_types_are_400(gw, field, value, msg):
     r = httpx.post(gw.url + "/v1/chat/completions", json={
         "model": "demo", "max_tokens": 2, "logprobs": True,
         "messages": [{"role": "user", "content": "hi"}], field: value})
     assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
+
+
+def test_v1_n_probs_is_bounded_on_completions_too(gw):
+    r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+        "model": "demo", "max_tokens": 2, "prompt": "hi", "n_probs": 559})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "n_probs must be between 0 and 20, as top_logprobs"
+    r = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+        "model": "demo", "max_tokens": 2, "prompt": "hi", "n_probs": 20})
+    assert r.status_code == 200, r.text
 
 
 def test_v1_top_logprobs_in_range_and_logit_bias_as_a_list_still_run(gw):
