@@ -21,6 +21,7 @@ import aiohttp
 
 from gateway.admission import Admission
 from gateway.config import GatewayConfig, WorkerPlan, fingerprint
+from gateway.inventory import slot_context
 from gateway.logs import get_logger
 from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
 from gateway.scheduling import make_scorer
@@ -181,9 +182,17 @@ class Fleet:
         if launch is None:
             mcfg = next(m for m in self.config.models if m.full_name == plan.model)
             args = list(ls.extra_args) + _model_args(mcfg)
+            facts = self.model_facts.get(plan.model)
+            # llama-server caps each slot at the trained context but allocates the KV cache
+            # for all of -c: a context above it only cost memory (27 MB against 95 MB for
+            # the demo; VRAM on a GPU; a fresh tester's find)
+            ctx = slot_context(plan.context, facts.context_length if facts else 0)
+            if ctx < plan.context:
+                log.warning("worker.context_capped", worker=plan.id, configured=plan.context,
+                            trained=ctx)
             spec = LaunchSpec(worker_id=plan.id, binary=self.binary,
                               model_path=self.model_paths[plan.model], alias=plan.model,
-                              gpus=plan.gpus, slots=plan.slots, context_per_slot=plan.context,
+                              gpus=plan.gpus, slots=plan.slots, context_per_slot=ctx,
                               threads=threads if plan.is_cpu else None,
                               embeddings=mcfg.embeddings, extra_args=args,
                               log_verbosity=None if self.config.log.level == "debug"
@@ -201,9 +210,10 @@ class Fleet:
         self.slot_watches[plan.id] = SlotLeakWatch(self.admission.dispatcher.clock)
         facts = self.model_facts.get(plan.model)
         kv_bytes = kv_bytes_from_gguf(facts.kv, facts.architecture, args) if facts else 0
+        total = spec.slots * spec.context_per_slot  # -c as started (the trained context's cap)
         self.admission.dispatcher.add_worker(
-            plan.id, plan.model, plan.slots, n_ctx=plan.context, kv_capacity=plan.total_context,
-            cache_tokens=worker_cache_tokens(plan.total_context, args, kv_bytes))
+            plan.id, plan.model, plan.slots, n_ctx=spec.context_per_slot, kv_capacity=total,
+            cache_tokens=worker_cache_tokens(total, args, kv_bytes))
         sc = self.config.scheduler
         self.pollers[plan.id] = WorkerPoller(
             plan.id, lambda wid=plan.id: self.endpoint_of(wid),
@@ -399,7 +409,7 @@ class Fleet:
         self.admission.worker_slots(sup.id, actual)
         if sup.slots_n_ctx:
             self.admission.worker_context(sup.id, int(sup.slots_n_ctx),
-                                          self.plans[sup.id].total_context)
+                                          sup.spec.slots * sup.spec.context_per_slot)
         self.admission.worker_ready(sup.id, True)
         if self.on_new_process is not None:
             self.on_new_process(sup.spec.alias)

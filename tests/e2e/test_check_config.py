@@ -37,3 +37,17 @@ def test_check_config_context_matches_what_the_workers_report(tmp_path, gateway_
         assert n_ctx == {printed[w["id"]]}, (w["id"], n_ctx, r.stdout)
     ps = {m["name"]: m["context_length"] for m in httpx.get(gw.url + "/api/ps").json()["models"]}
     assert ps == {"short:latest": 512, "demo:latest": 768}
+    # the capped worker is started with -c for the context it gets: llama-server allocated the
+    # KV cache for all of -c (2 × 1024 here) while it used 2 × 512 (a fresh tester's find)
+    argv = {e["worker"]: e["argv"].split() for e in _events(gw, "worker.spawned")}
+    assert argv["short-cpu0"][argv["short-cpu0"].index("-c") + 1] == str(2 * 512)
+    assert argv["demo-cpu0"][argv["demo-cpu0"].index("-c") + 1] == str(2 * 768)
+    capped = _events(gw, "worker.context_capped")
+    assert [(e["worker"], e["configured"], e["trained"]) for e in capped] == [
+        ("short-cpu0", 1024, 512)]
+
+
+def _events(gw, name: str) -> list[dict]:
+    import json
+    return [e for line in gw.log_path.read_text().splitlines() if line.startswith("{")
+            and (e := json.loads(line)).get("event") == name]
