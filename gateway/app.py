@@ -26,7 +26,7 @@ from gateway.drain import graceful_stop
 from gateway.expect import with_expect
 from gateway.fleet import Fleet
 from gateway.inventory import Inventory, ModelEntry, full_name
-from gateway.listen import address, bind_listen
+from gateway.listen import address, bind_listen, raise_open_files_limit
 from gateway.logs import ServerLogger, get_logger
 from gateway.metrics import GatewayMetrics, worker_state
 from gateway.middleware import Guard, gateway_middleware, guard_middleware
@@ -309,6 +309,9 @@ async def serve(config: GatewayConfig, config_path: str | None = None) -> int:
     SIGTERM/SIGINT: graceful stop (gateway/drain.py); a second one during it ends the drain at
     once (``gateway.drain_cut_short``). SIGHUP: reload ``config_path`` (gateway/reload.py).
     """
+    before, after = raise_open_files_limit()
+    if after != before:
+        log.info("gateway.open_files_limit", before=before, after=after)
     gw = Gateway(config, config_path)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -11,6 +11,7 @@ gateway's workers and then die with a traceback). The sockets are handed to aioh
 from __future__ import annotations
 
 import errno
+import resource
 import socket
 
 from gateway.config import ConfigError
@@ -59,3 +60,19 @@ def bind_listen(host: str, port: int, source: str = "<config>") -> list[socket.s
                               f"address", source) from None
         raise ConfigError(f"listen: cannot listen on {where}: {e.strerror or e}", source) from None
     return socks
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files (``RLIMIT_NOFILE``) to its hard limit, as
+    servers that hold a connection per client do; returns (before, after). Each client
+    connection, worker stream and probe is a descriptor: at the common shell default of 1,024
+    idle client connections used them up, and the gateway could not open a socket to its own
+    workers (a fresh tester's find). The deploy unit sets ``LimitNOFILE=65536`` itself."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft >= hard:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, hard

@@ -25,3 +25,19 @@ def test_binds_and_listens_then_a_second_bind_is_a_clear_config_error():
 def test_an_address_of_another_machine_is_a_config_error():
     with pytest.raises(ConfigError, match="listen: cannot listen on 192.0.2.1:"):
         bind_listen("192.0.2.1", 0)  # TEST-NET-1: never a local address
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_one():
+    import resource
+
+    from gateway.listen import raise_open_files_limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 300:
+        pytest.skip(f"hard limit {hard}: nothing to raise to here")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        assert raise_open_files_limit() == (256, hard)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+        assert raise_open_files_limit() == (hard, hard)  # already there: unchanged
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import math
 import time
 from typing import Awaitable, Callable
@@ -47,6 +48,20 @@ ReadyCallback = Callable[["WorkerSupervisor"], None]
 DownCallback = Callable[["WorkerSupervisor", str], None]
 StateCallback = Callable[["WorkerSupervisor"], None]
 CheckCallback = Callable[["WorkerSupervisor", bool], None]
+
+
+def out_of_descriptors(e: BaseException) -> bool:
+    """Whether ``e`` (or the OS error it wraps, as aiohttp's connector errors do) is the
+    gateway's own process or system running out of file descriptors (EMFILE / ENFILE): idle
+    client connections that used up a 1,024 limit made every liveness probe fail, and a
+    healthy worker was declared wedged and stopped (a fresh tester's find)."""
+    seen = 0
+    while e is not None and seen < 4:
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        e = getattr(e, "os_error", None) or e.__cause__ or e.__context__
+        seen += 1
+    return False
 
 
 class WorkerSupervisor:
@@ -364,6 +379,10 @@ class WorkerSupervisor:
         except TimeoutError:
             return f"did not answer within {self.liveness_timeout_s:g} s"
         except (aiohttp.ClientError, OSError) as e:
+            if out_of_descriptors(e):  # the gateway's own: says nothing about the worker
+                self.log.warning("gateway.out_of_descriptors", during="liveness probe",
+                                 error=str(e))
+                return None
             return f"unreachable: {e}"
         return None
 

@@ -10,6 +10,7 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from datetime import datetime
@@ -856,3 +857,39 @@ def test_requests_during_a_stall_check_wait_for_the_steady_worker(tmp_path, gate
                                and x["state"] == "ready" and x["pid"] != fake["pid"]), None),
                  60, "the FAKE restarted after failing its check")
     assert not is_fake(w["pid"]) and w["stall_check"] is False
+
+
+def test_idle_clients_using_up_descriptors_do_not_wedge_a_worker(gateway_factory):
+    """With the gateway's descriptors all taken by idle client connections, its liveness probes
+    could not open a socket (EMFILE) and counted that against the worker: a healthy worker was
+    declared wedged, stopped, and could not be started again meanwhile (a fresh tester's find
+    at a 1,024 limit). The probe now says it was the gateway's own shortage and the worker
+    stays; once the clients leave, requests are served. The limit is forced to 64 with
+    ``prlimit`` (the gateway raises its soft limit to the hard one at start) and given back
+    after."""
+    import resource
+    cfg = base_config(free_port(), llama_server={"liveness_interval_s": 0.3,
+                                                 "liveness_timeout_s": 1})
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = gateway_factory(cfg)
+    (w,) = gw.workers()
+    _, hard = resource.prlimit(gw.proc.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(gw.proc.pid, resource.RLIMIT_NOFILE, (64, hard))
+    conns = []
+    try:
+        for _ in range(80):
+            s = socket.create_connection(("127.0.0.1", gw.port), timeout=5)
+            conns.append(s)
+        time.sleep(3)  # ten probe intervals with no descriptor to spare
+    finally:
+        for s in conns:
+            s.close()
+    log = gw.log_path.read_text()
+    assert "gateway.out_of_descriptors" in log  # the shortage happened and was seen as such
+    assert "worker.wedged" not in log and "worker.liveness_failed" not in log
+    resource.prlimit(gw.proc.pid, resource.RLIMIT_NOFILE, (hard, hard))
+    wait_for(lambda: (x := httpx.post(gw.url + "/api/generate", timeout=30, json={
+        "model": "demo", "prompt": "hi", "raw": True, "stream": False,
+        "options": {"num_predict": 2}})).status_code == 200 and x, 20, "served again")
+    (now,) = gw.workers()
+    assert now["pid"] == w["pid"] and now["restarts"] == 0, now
