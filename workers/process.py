@@ -522,14 +522,29 @@ def _marker_prefix(state_dir: Path) -> bytes:
 
 def _live_pid(pidfile: Path) -> int | None:
     """The pid a pid file records when that process still runs the recorded binary
-    (``/proc/PID/exe``; pids get reused), else None."""
+    (``/proc/PID/exe``; pids get reused) and, when its environment names a worker
+    (``WORKER_MARKER_ENV``), names one of the pid file's state directory, else None. The
+    binary alone matched a worker of another gateway that had been given the recorded pid
+    (a fresh tester's find, with pids of 15 bits); a worker of a gateway version without the
+    marker is matched by its binary as before."""
     try:
         pid_s, binary = pidfile.read_text().splitlines()[:2]
         pid = int(pid_s)
         exe = os.readlink(f"/proc/{pid}/exe")
     except (ValueError, OSError):
         return None
-    return pid if Path(exe).resolve() == Path(binary).resolve() else None
+    if Path(exe).resolve() != Path(binary).resolve():
+        return None
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return pid
+    key = WORKER_MARKER_ENV.encode() + b"="
+    marks = [v[len(key):] for v in env if v.startswith(key)]
+    if marks and not marks[0].startswith(_marker_prefix(pidfile.parent)):
+        return None
+    return pid
 
 
 def remove_state_dir(state_dir: Path) -> bool:

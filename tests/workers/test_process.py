@@ -218,6 +218,38 @@ def test_reap_stale_workers_kills_only_matching_binary(tmp_path):
         victim.kill()
 
 
+def test_reap_stale_workers_leaves_another_gateways_worker_on_a_reused_pid(tmp_path):
+    """A recorded pid now belongs to a worker of another gateway (same binary; pids get
+    reused): its environment names the other gateway's state directory, so it is left running
+    (a fresh tester killed one so); one that names this directory is killed, and so is a
+    marked process no pid file names (a wrapper script's llama-server)."""
+    import os
+    import shutil
+    import subprocess
+
+    from workers.process import WORKER_MARKER_ENV
+
+    sleep_bin = Path(shutil.which("sleep")).resolve()
+    run, other_run = tmp_path / "run" / "127.0.0.1_1", tmp_path / "run" / "127.0.0.1_2"
+    run.mkdir(parents=True)
+
+    def marked(state_dir):
+        env = {**os.environ, WORKER_MARKER_ENV: f"{state_dir.resolve()}/m-cpu0"}
+        return subprocess.Popen([str(sleep_bin), "60"], env=env)
+    others, ours, orphan = marked(other_run), marked(run), marked(run)
+    (run / "a.pid").write_text(f"{others.pid}\n{sleep_bin}\n")
+    (run / "b.pid").write_text(f"{ours.pid}\n{sleep_bin}\n")
+    try:
+        killed = reap_stale_workers(run)
+        assert sorted(killed) == sorted([ours.pid, orphan.pid])
+        assert ours.wait(5) == -9 and orphan.wait(5) == -9
+        assert others.poll() is None
+    finally:
+        for p in (others, ours, orphan):
+            p.kill()
+            p.wait()
+
+
 def test_env_turns_cpu_flash_attention_off_unless_the_operator_chose(monkeypatch):
     """CPU workers get LLAMA_ARG_FLASH_ATTN=off; GPU workers, an operator's -fa, a quantized V
     cache (-ctv in args or LLAMA_ARG_CACHE_TYPE_V) and an operator's own variable are left
