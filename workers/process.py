@@ -172,8 +172,10 @@ class LaunchSpec:
         :data:`IDLE_SLOTS_ENV`), for a CPU worker ``LLAMA_ARG_FLASH_ATTN=off`` (see
         :data:`FLASH_ATTN_ENV`; not when ``extra_args`` hold one of
         :data:`FLASH_ATTN_FLAGS`) and the log verbosity (:data:`LOG_VERBOSITY_ENV`) unless the
-        environment already sets them (or, for the verbosity, ``extra_args`` do)."""
-        env = {k: v for k, v in os.environ.items() if k not in SD_NOTIFY_ENV}
+        environment already sets them (or, for the verbosity, ``extra_args`` do). The variables
+        of :data:`GATEWAY_ENV` are left out."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in SD_NOTIFY_ENV and k not in GATEWAY_ENV}
         env.setdefault(IDLE_SLOTS_ENV, "0")
         if not self.gpus and CACHE_TYPE_V_ENV not in env and not any(
                 a in FLASH_ATTN_FLAGS for a in self.extra_args):
@@ -221,6 +223,19 @@ def error_text(line: str) -> str | None:
 ROUTINE_WARNINGS = ("need to evaluate at least 1 token for each active slot", "n_past was set to ",
                     "erasing old context checkpoint", "cancel task, id_task = ")
 
+
+#: llama-server's environment forms of the flags the gateway owns (gateway.config
+#: ``GATEWAY_FLAGS``: how it reaches a worker, which model it loads and names, ``/slots``) and
+#: of its router mode, left out of a worker's environment: ``LLAMA_ARG_API_PREFIX`` in the
+#: gateway's service environment moved every route of every worker, which then never became
+#: ready, with no hint why (a fresh tester's find). Each start logs the names it left out
+#: (``worker.env_ignored``).
+GATEWAY_ENV = frozenset({
+    "LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "LLAMA_ARG_API_PREFIX", "LLAMA_ARG_API_KEY_FILE",
+    "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE", "LLAMA_ARG_MODEL", "LLAMA_ARG_ALIAS",
+    "LLAMA_ARG_MODEL_URL", "LLAMA_ARG_HF_REPO", "LLAMA_ARG_HF_FILE", "LLAMA_ARG_DOCKER_REPO",
+    "LLAMA_ARG_ENDPOINT_SLOTS", "LLAMA_ARG_MODELS_DIR", "LLAMA_ARG_MODELS_PRESET",
+    "LLAMA_ARG_MODELS_MAX", "LLAMA_ARG_MODELS_AUTOLOAD"})
 
 #: Environment variable each worker is started with: ``<state directory>/<worker id>``; every
 #: process the worker starts inherits it, so a gateway finds what an earlier one on the same
@@ -286,6 +301,10 @@ class WorkerProcess:
         self.api_key = secrets.token_urlsafe(24)
         argv = self.spec.argv(self.port)
         env = self.spec.env(self.api_key)
+        ignored = sorted(GATEWAY_ENV.intersection(os.environ))
+        if ignored:
+            self.log.warning("worker.env_ignored", names=ignored,
+                             reason="the gateway sets these itself")
         if self.state_dir is not None:  # found by the next gateway's reap_stale_workers
             env[WORKER_MARKER_ENV] = os.fsdecode(_marker_prefix(self.state_dir)) + self.spec.worker_id
         self.proc = await asyncio.create_subprocess_exec(

@@ -250,6 +250,19 @@ def test_reap_stale_workers_leaves_another_gateways_worker_on_a_reused_pid(tmp_p
             p.wait()
 
 
+def test_env_leaves_out_the_variables_of_flags_the_gateway_owns(monkeypatch):
+    """``LLAMA_ARG_API_PREFIX`` in the gateway's environment moved every worker's routes, and
+    none became ready (a fresh tester's find); the router mode's and the model-fetching ones
+    would replace the model. Other ``LLAMA_ARG_*`` settings pass."""
+    monkeypatch.setenv("LLAMA_ARG_API_PREFIX", "/v9")
+    monkeypatch.setenv("LLAMA_ARG_MODELS_DIR", "/models")
+    monkeypatch.setenv("LLAMA_ARG_HF_REPO", "someone/model")
+    monkeypatch.setenv("LLAMA_ARG_N_GPU_LAYERS", "99")
+    env = spec().env("k")
+    assert not {"LLAMA_ARG_API_PREFIX", "LLAMA_ARG_MODELS_DIR", "LLAMA_ARG_HF_REPO"} & set(env)
+    assert env["LLAMA_ARG_N_GPU_LAYERS"] == "99"
+
+
 def test_env_turns_cpu_flash_attention_off_unless_the_operator_chose(monkeypatch):
     """CPU workers get LLAMA_ARG_FLASH_ATTN=off; GPU workers, an operator's -fa, a quantized V
     cache (-ctv in args or LLAMA_ARG_CACHE_TYPE_V) and an operator's own variable are left
