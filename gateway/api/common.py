@@ -306,11 +306,30 @@ async def start_stream(request: web.Request, content_type: str) -> web.StreamRes
 
 def visible_entries(request: web.Request) -> list:
     """The inventory entries the caller may use: all of them, or with an API key that names
-    its models (``auth.keys[].models``) only those, so ``/api/tags``, ``/api/ps`` and
-    ``/v1/models`` do not list models the key would get 403 for."""
-    entries = request.app["gw"].inventory.entries
+    its models (``auth.keys[].models``) only those it may use by a name or an alias, so
+    ``/api/tags``, ``/api/ps`` and ``/v1/models`` do not list models the key would get 403
+    for."""
+    return list({id(e): e for e, _, _ in visible_names(request)}.values())
+
+
+def visible_names(request: web.Request) -> list[tuple]:
+    """(entry, full name, name as configured) for every name a served model the caller may use
+    answers to (an API key allowed one of a model's names may use it by any): the model's own
+    (its full name both times), then each of its ``models[].aliases``, as Ollama lists a copy
+    (``ollama cp``) beside its source. Aliases were not listed, so a client that checks its
+    model against ``/v1/models`` failed on an alias that served, also under a key allowed
+    only the alias (a fresh tester's find)."""
+    gw = request.app["gw"]
     key = request.get("api_key_state")
-    return list(entries) if key is None else [e for e in entries if key.allows_model(e.name)]
+    out = []
+    for e in gw.inventory.entries:
+        if key is not None and not key.allows_model(e.name):
+            continue
+        m = gw.model_config(e.name)
+        out.append((e, e.name, e.name))
+        if m is not None:
+            out += [(e, full, shown) for full, shown in zip(m.names[1:], m.aliases)]
+    return out
 
 
 def operator_sampling(gw, name: str) -> frozenset[str]:

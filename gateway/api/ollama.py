@@ -28,7 +28,8 @@ from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api import worker_ints
 from gateway.api.capabilities import model_capabilities, model_template, require
 from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling, optional,
-                                read_json, start_stream, t0_ns, visible_entries)
+                                read_json, start_stream, t0_ns, visible_entries,
+                                visible_names)
 from gateway.api.errors import ApiError, admission_error, ollama_error, upstream_headers
 from gateway.api.grammar_checks import check_tools
 from gateway.api.render import render_prompt, upstream_error_text
@@ -572,11 +573,13 @@ def _dumps(obj) -> str:
 async def tags(request: web.Request) -> web.Response:
     gw = _gw(request)
     models = []
-    entries = visible_entries(request)
-    digests = await asyncio.gather(*(e.digest_soon() for e in entries))  # waits overlap
-    for e, digest in zip(entries, digests):
-        models.append({"name": e.name, "model": e.name, "modified_at": e.modified_at.isoformat(),
-                       "size": e.size, "digest": digest, "details": e.details(),
+    names = visible_names(request)  # aliases listed as Ollama lists copies
+    entries = list({id(e): e for e, _, _ in names}.values())
+    digests = dict(zip(map(id, entries),
+                       await asyncio.gather(*(e.digest_soon() for e in entries))))
+    for e, name, _ in names:  # the digest waits overlap
+        models.append({"name": name, "model": name, "modified_at": e.modified_at.isoformat(),
+                       "size": e.size, "digest": digests[id(e)], "details": e.details(),
                        "capabilities": await model_capabilities(gw, e)})
     return web.json_response({"models": models}, dumps=_dumps)
 

@@ -23,12 +23,13 @@ from aiohttp import web
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.scheduling import ModelRemoved
 from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling,
-                                read_json, start_stream, visible_entries)
+                                read_json, start_stream, visible_names)
 from gateway.api import openai_checks, openai_structured, worker_ints
 from gateway.api.capabilities import model_capabilities
 from gateway.api.errors import (admission_error, model_not_found_v1, openai_error,
                                 openai_error_body, resolve_v1_model, upstream_headers)
 from gateway.api.ollama_mapping import OLLAMA_DEFAULTS
+from gateway.config import normalize_model_name
 from gateway.api.openai_fold import OpenAIFold, needs_non_streamed_upstream
 from gateway.api.openai_legacy import LegacyCompletions, check_logprobs
 from gateway.api.openai_usage import UsageSum
@@ -351,15 +352,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _relay_completion(request, "/v1/completions", "prompt")
 
 
-def _model_obj(e) -> dict:
-    owner = e.name.split("/")[0] if "/" in e.name else "library"
-    return {"id": e.name, "object": "model", "created": int(e.modified_at.timestamp()),
+def _model_obj(e, name: str | None = None) -> dict:
+    """OpenAI's model object of entry ``e`` under ``name`` (its full name, or an alias as
+    configured: ``gpt-4o``, not ``gpt-4o:latest``)."""
+    name = name or e.name
+    owner = name.split("/")[0] if "/" in name else "library"
+    return {"id": name, "object": "model", "created": int(e.modified_at.timestamp()),
             "owned_by": owner}
 
 
 async def models(request: web.Request) -> web.Response:
-    gw = _gw(request)
-    return web.json_response({"object": "list", "data": [_model_obj(e) for e in visible_entries(request)]},
+    return web.json_response({"object": "list",
+                              "data": [_model_obj(e, shown)
+                                       for e, _, shown in visible_names(request)]},
                              dumps=lambda o: orjson.dumps(o).decode())
 
 
@@ -372,9 +377,12 @@ async def model(request: web.Request) -> web.Response:
     e = gw.inventory.resolve(name)
     if e is not None:
         request["model"] = e.name
-    if e is None or e not in visible_entries(request):
+    wanted = normalize_model_name(name)
+    shown = next((shown for v, full, shown in visible_names(request)
+                  if v is e and full == wanted), None)
+    if e is None or shown is None:
         raise model_not_found_v1(name)
-    return web.json_response(_model_obj(e), dumps=lambda o: orjson.dumps(o).decode())
+    return web.json_response(_model_obj(e, shown), dumps=lambda o: orjson.dumps(o).decode())
 
 
 def routes() -> list[web.RouteDef]:

@@ -18,7 +18,7 @@ from tests.e2e.compat_helpers import gateway_requests_total, raw_exchange
 
 pytestmark = pytest.mark.slow
 
-ADMIN, WEB, LIMITED = "admin-key-1", "web-key-2", "limited-key-3"
+ADMIN, WEB, LIMITED, ALIASED = "admin-key-1", "web-key-2", "limited-key-3", "alias-key-4"
 ADMIN_TOKEN = "admin-token-0"
 
 
@@ -34,11 +34,12 @@ def secured(tmp_path_factory):
         {"name": "ops", "sha256": hash_key(ADMIN), "admin": True},
         {"name": "webui", "sha256": hash_key(WEB), "models": ["demo"], "priority": 5},
         {"name": "batch", "sha256": hash_key(LIMITED), "models": ["other"],
-         "max_concurrent": 1, "rate_per_minute": 3}]},
+         "max_concurrent": 1, "rate_per_minute": 3},
+        {"name": "aliased", "sha256": hash_key(ALIASED), "models": ["gpt-4o"]}]},
         http={"cors_origins": ["https://chat.example.com"]})
     cfg["models"][0].update(cpu=1, slots=2)
     cfg["models"].append({"name": "other", "path": "builtin:demo", "cpu": 1, "slots": 1,
-                          "context": 2048})
+                          "context": 2048, "aliases": ["gpt-4o"]})
     gw = start_gateway(tmp_path_factory.mktemp("secured"), cfg,
                        headers={"Authorization": f"Bearer {ADMIN}"})
     yield gw
@@ -167,8 +168,28 @@ def test_model_lists_show_only_the_keys_models(secured):
     oc = openai.OpenAI(base_url=secured.url + "/v1", api_key=WEB)
     assert [m.id for m in oc.models.list()] == ["demo:latest"]
     admin = {"Authorization": f"Bearer {ADMIN}"}  # a key without a model list sees all
-    assert names(httpx.get(secured.url + "/api/tags", headers=admin)) == ["demo:latest", "other:latest"]
+    assert names(httpx.get(secured.url + "/api/tags", headers=admin)) == [
+        "demo:latest", "gpt-4o:latest", "other:latest"]  # an alias as Ollama lists a copy
     assert [m.model for m in ollama.Client(host=secured.url, headers=web).list().models] == ["demo:latest"]
+
+
+def test_a_key_allowed_only_an_alias_sees_the_alias_listed(secured):
+    """Aliases were not listed, so a client checking its model name against the list failed
+    on one that served, also under a key allowed only the alias (a fresh tester's find).
+    /v1/models shows the alias as configured (``gpt-4o``), /api/tags as Ollama names a copy;
+    a key allowed one name of a model may use it by any (as before), so both are listed."""
+    h = {"Authorization": f"Bearer {ALIASED}"}
+    oc = openai.OpenAI(base_url=secured.url + "/v1", api_key=ALIASED)
+    assert [m.id for m in oc.models.list()] == ["other:latest", "gpt-4o"]
+    assert oc.models.retrieve("gpt-4o").id == "gpt-4o"
+    assert oc.models.retrieve("gpt-4o:latest").id == "gpt-4o"
+    with pytest.raises(openai.NotFoundError):
+        oc.models.retrieve("demo")  # not a name of the key's model
+    tags = httpx.get(secured.url + "/api/tags", headers=h).json()["models"]
+    assert [m["name"] for m in tags] == ["other:latest", "gpt-4o:latest"]
+    chat = oc.chat.completions.create(model="gpt-4o", max_tokens=2,
+                                      messages=[{"role": "user", "content": "hi"}])
+    assert chat.model == "gpt-4o" and chat.choices[0].finish_reason == "length"
 
 
 def test_per_key_concurrency_and_rate(secured):

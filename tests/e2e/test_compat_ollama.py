@@ -106,8 +106,11 @@ def test_case23_durations_match_worker_and_v1_usage(gw, client):
 
 def test_case24_list_ps_show_typed(gw, client):
     lst = client.list()
-    names = sorted(m.model for m in lst.models)
+    names = sorted(m.model for m in lst.models if m.model != "Friendly:latest")
     assert names == ["demo:latest", "tooly:latest"]
+    # an alias is listed as Ollama lists a copy (ollama cp): its own name, the same file
+    by_name = {m.model: m for m in lst.models}
+    assert by_name["Friendly:latest"].digest == by_name["demo:latest"].digest
     for m in lst.models:
         assert isinstance(m.modified_at, datetime) and m.size > 0 and len(m.digest) == 64
         d = m.details
