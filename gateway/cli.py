@@ -98,10 +98,14 @@ def _args_override(args: list[str], slots: int, context: int) -> tuple[int, int,
         values = [int(v) for _, v in flag_values(args, names) if v and v.isdigit()]
         return values[-1] if values else None
     np_, c = last(SLOT_FLAGS), last(CTX_FLAGS)
-    if np_ is None and c is None:
+    unified = [a for a in args if a in ("-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified")]
+    unified_on = bool(unified) and unified[-1] in ("-kvu", "--kv-unified")
+    if np_ is None and c is None and not unified_on:
         return slots, context, ""
     n = np_ or slots
     total = c if c is not None else slots * context
+    if unified_on:  # one KV buffer for all slots: llama-server gives each slot all of -c
+        return n, total, " (--kv-unified in args: every slot may use the whole -c)"
     return n, total // max(n, 1), " (set by -np/-c in args)"
 
 
