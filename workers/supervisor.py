@@ -64,6 +64,12 @@ def out_of_descriptors(e: BaseException) -> bool:
     return False
 
 
+#: Seconds a liveness probe may go unanswered before the worker's new work goes to the
+#: model's other workers (half of ``liveness_timeout_s`` if that is shorter); ``/slots``
+#: answers in milliseconds, or after the batch a busy worker is computing.
+LATE_PROBE_S = 1.0
+
+
 class WorkerSupervisor:
     """Keeps one llama-server worker running.
 
@@ -109,6 +115,7 @@ class WorkerSupervisor:
         self.crash_loop_restarts = crash_loop_restarts
         self.crash_loop_window_s = crash_loop_window_s
         self.failed_retry_s = failed_retry_s
+        self._steered = False  # new work steered away while a liveness probe is late
         self.crashes = 0  # runs that ended without stop(): exits, wedges, startup failures
         self.wedges = 0
         self.crash_loops = 0
@@ -321,8 +328,12 @@ class WorkerSupervisor:
                 # it waited for the probe's timeout, so the wedge was found up to 2 ×
                 # liveness_timeout_s after the stall (9 s in a tester's run, not 5)
                 probe_task = asyncio.ensure_future(self._probe_slots(proc, http, headers))
-                done, _ = await asyncio.wait({probe_task, check_wait, exit_task},
+                waiting = {probe_task, check_wait, exit_task}
+                done, _ = await asyncio.wait(waiting, timeout=self._late_probe_s(),
                                              return_when=asyncio.FIRST_COMPLETED)
+                if not done:  # late: new work goes to the model's other workers meanwhile
+                    self._steer_away(True, "liveness probe late")
+                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if probe_task not in done:
                     probe_task.cancel()
                     await asyncio.gather(probe_task, return_exceptions=True)
@@ -330,6 +341,7 @@ class WorkerSupervisor:
                 probe = probe_task.result()
                 if probe is None:
                     failures = 0
+                    self._steer_away(False)
                     continue
                 if exit_task.done():
                     return None
@@ -341,6 +353,25 @@ class WorkerSupervisor:
             check_wait.cancel()
             if probe_task is not None:
                 probe_task.cancel()
+            self._steer_away(False)
+
+    def _late_probe_s(self) -> float:
+        """Seconds after which an unanswered liveness probe steers new work away (s)."""
+        return min(LATE_PROBE_S, self.liveness_timeout_s / 2)
+
+    def _steer_away(self, on: bool, why: str = "") -> None:
+        """While a liveness probe is late or has failed, the worker gets new work only when no
+        other worker of its model can take it (``on_check``, as during a stall check): a frozen
+        worker kept getting requests and side calls until the second failed probe declared it
+        wedged, 12 s and more with the default probes (a fresh tester's find). A stall check
+        asked for meanwhile keeps the steering until it ends."""
+        if on == self._steered or (not on and self._stall_check.is_set()):
+            return
+        self._steered = on
+        if on:
+            self.log.warning("worker.liveness_slow", reason=why)
+        if self.on_check is not None:
+            self.on_check(self, on)
 
     async def _check_after_stalls(self, proc: WorkerProcess, http: aiohttp.ClientSession,
                                   headers: dict, exit_task: asyncio.Task) -> str | None:

@@ -893,3 +893,41 @@ def test_idle_clients_using_up_descriptors_do_not_wedge_a_worker(gateway_factory
         "options": {"num_predict": 2}})).status_code == 200 and x, 20, "served again")
     (now,) = gw.workers()
     assert now["pid"] == w["pid"] and now["restarts"] == 0, now
+
+
+def test_a_frozen_worker_gets_no_new_work_once_its_probe_is_late(gateway_factory):
+    """Cases 10/11 (a fresh tester's find): a frozen (SIGSTOPped) worker kept getting new
+    requests and side calls until its second failed liveness probe declared it wedged (12 s
+    and more with the default probes; 10 s probes here, so that is past this test). Once a
+    probe is a second late, new work goes to the model's other worker; once it answers again
+    (SIGCONT), the worker is back in rotation."""
+    cfg = base_config(free_port(), llama_server={"threads": 1, "liveness_interval_s": 0.3,
+                                                 "liveness_timeout_s": 10},
+                      scheduler={"prefix_affinity": False, "policy": "round_robin"},
+                      timeouts={"first_byte_s": 3})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    frozen, steady = gw.workers()
+
+    def served_by(rid: str) -> str:
+        r = httpx.post(gw.url + "/api/generate", headers={"X-Request-ID": rid}, timeout=60,
+                       json={"model": "demo", "prompt": "hi", "raw": True, "stream": False,
+                             "options": {"num_predict": 2}})
+        assert r.status_code == 200, r.text
+        (done,) = [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
+                   if '"request.done"' in ln and f'"{rid}"' in ln]
+        return done["worker"]
+
+    os.kill(frozen["pid"], signal.SIGSTOP)
+    try:
+        time.sleep(2)  # a probe sent within 0.3 s, late 1 s after
+        placed = [served_by(f"while-frozen-{i}") for i in range(4)]  # round robin: 2 and 2
+        assert placed == [steady["id"]] * 4, placed
+        log = gw.log_path.read_text()
+        assert '"upstream.retry"' not in log  # none was sent to the frozen worker first
+        assert '"worker.liveness_slow"' in log
+    finally:
+        os.kill(frozen["pid"], signal.SIGCONT)
+    wait_for(lambda: frozen["id"] in {served_by(f"after-{i}") for i in range(2)}, 10,
+             "the thawed worker back in rotation")
+    assert '"worker.wedged"' not in gw.log_path.read_text()
