@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -25,7 +26,7 @@ from gateway.texts import no_workers
 from gateway.drain import graceful_stop
 from gateway.expect import with_expect
 from gateway.fleet import Fleet
-from gateway.inventory import Inventory, ModelEntry, full_name
+from gateway.inventory import Inventory, ModelEntry, file_id, full_name
 from gateway.listen import address, bind_listen, raise_open_files_limit
 from gateway.logs import ServerLogger, get_logger
 from gateway.metrics import GatewayMetrics, worker_state
@@ -56,6 +57,8 @@ class Gateway:
                  notifier: Notifier | None = None):
         self.config = config
         self.inventory: Inventory | None = None
+        #: models whose file the last ``load_models`` found replaced in place (full names)
+        self.files_changed: set[str] = set()
         self.dispatcher = Dispatcher(time.monotonic, max_pending=config.queue.max_pending)
         self.admission = Admission(self.dispatcher)
         self.fleet: Fleet | None = None
@@ -120,12 +123,21 @@ class Gateway:
         old = {e.name: e for e in self.inventory.entries} if self.inventory else {}
         paths: dict[str, Path] = {}
         entries = []
+        self.files_changed = set()
         for i, m in enumerate(cfg.models):
             p = await asyncio.to_thread(ensure_demo_model) if m.is_builtin else Path(m.path).expanduser()
             paths[m.full_name] = p
             e = old.get(m.full_name)
+            try:
+                same_file = e is not None and e.file_id == await asyncio.to_thread(file_id, p)
+            except OSError:
+                same_file = False  # ModelEntry.load says why
+            if e is not None and Path(e.path) == p and not same_file:
+                # replaced in place: its workers restart on the new file (``diff_with``), and
+                # /api/tags shows the new digest (a fresh tester's find: neither happened)
+                self.files_changed.add(m.full_name)
             if e is None or Path(e.path) != p or e.embeddings != m.embeddings \
-                    or e.aliases != tuple(full_name(a) for a in m.aliases):
+                    or e.aliases != tuple(full_name(a) for a in m.aliases) or not same_file:
                 try:
                     e = await asyncio.to_thread(ModelEntry.load, m.full_name, p, m.aliases,
                                                 m.embeddings)
@@ -137,8 +149,15 @@ class Gateway:
         return paths, entries
 
     def diff_with(self, new: GatewayConfig, plans: list[WorkerPlan]) -> PlanDiff:
+        """What a reload to ``new`` starts, stops and restarts; the workers of a model whose
+        file :meth:`load_models` found replaced count as changed."""
         diff = diff_plans(self.plans, plans, self.config, new,
                           self.fleet.launched if self.fleet else None)
+        moved = [p for p in diff.unchanged if p.model in self.files_changed]
+        if moved:
+            diff = dataclasses.replace(
+                diff, unchanged=[p for p in diff.unchanged if p not in moved],
+                changed=[p for p in plans if p in diff.changed or p in moved])
         self.plans = plans
         return diff
 

@@ -221,6 +221,16 @@ def capabilities(*, embeddings: bool, template: str, has_fim: bool, vision: bool
 DIGEST_WAIT_S = 1.0
 
 
+def file_id(path: Path) -> tuple:
+    """(device, inode, size, mtime ns) of the file at ``path``: another file moved over it (a
+    new inode) or one rewritten in place (size or time) reads as changed. Raises OSError."""
+    return _stat_id(path.stat())
+
+
+def _stat_id(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 @dataclass
 class ModelEntry:
     """One served model as the Ollama inventory endpoints show it."""
@@ -240,6 +250,9 @@ class ModelEntry:
     #: chat-template renders learned by shape (api/render.py), dropped with worker_template
     template_shapes: TemplateShapes = field(default_factory=TemplateShapes)
     last_used_s: float | None = None      # time.time() of the last request (touch)
+    #: the file as loaded (device, inode, size, mtime ns): a reload reads a model whose file
+    #: changed in place again and restarts its workers (:func:`file_id`)
+    file_id: tuple = ()
 
     def touch(self, keep_alive_s: float | None = None) -> None:
         """Record a request (a float timestamp: this runs on every request's path, and a
@@ -263,7 +276,7 @@ class ModelEntry:
         e = cls(name=full_name(name), path=path, aliases=tuple(full_name(a) for a in aliases),
                 facts=GGUFFacts.read(path), size=st.st_size,
                 modified_at=datetime.fromtimestamp(st.st_mtime).astimezone(),
-                embeddings=embeddings)
+                embeddings=embeddings, file_id=_stat_id(st))
         return e
 
     async def digest_soon(self, wait_s: float = DIGEST_WAIT_S) -> str:

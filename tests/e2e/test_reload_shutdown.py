@@ -1395,3 +1395,42 @@ def test_a_prompt_still_computed_when_the_drain_ends_gets_503_at_once(tmp_path):
     assert rc == 0 and took < 0.5 + 3, took
     assert '"event": "worker.stop_timeout"' not in gw.log_path.read_text()
     assert not pid_alive(pid)
+
+
+def test_a_reload_notices_a_model_file_replaced_in_place(tmp_path, gateway_factory):
+    """A model file replaced at the same path (a new download moved over it): a reload said
+    the model was unchanged, its workers kept the old file, and /api/tags kept the old digest
+    and metadata, also after a worker restart (a fresh tester's find). The reload now reads
+    the file again, restarts its workers, and the listing shows the new file; a reload with
+    nothing replaced changes nothing."""
+    from workers.demo_model import write_demo_model
+    path = write_demo_model(tmp_path / "m.gguf", seed=1)
+    cfg = base_config(free_port(), admin={"token": "t"},
+                      models=[{"name": "m", "path": str(path), "slots": 1, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    admin = {"Authorization": "Bearer t"}
+
+    def digest() -> str:
+        end = time.monotonic() + 30
+        while True:  # the background hash: a provisional digest until it is done
+            (m,) = httpx.get(gw.url + "/api/tags", timeout=10).json()["models"]
+            if m["digest"] == _sha256(path) or time.monotonic() > end:
+                return m["digest"]
+            time.sleep(0.2)
+    before, (w,) = digest(), gw.workers()
+    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=120)
+    assert r.status_code == 200 and r.json()["changed"] == [], r.text  # nothing replaced
+    write_demo_model(tmp_path / "new.gguf", seed=2).replace(path)  # moved over it
+    r = httpx.post(gw.url + "/gateway/api/admin/reload", headers=admin, timeout=120)
+    assert r.status_code == 200 and r.json()["changed"] == ["m-cpu0"], r.text
+    after, (w2,) = digest(), gw.workers()
+    assert after != before and after == _sha256(path)
+    assert w2["pid"] != w["pid"] and w2["state"] == "ready"
+    ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "m", "prompt": "hi", "raw": True, "stream": False, "options": {"num_predict": 2}})
+    assert ok.status_code == 200, ok.text
+
+
+def _sha256(path) -> str:
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()
