@@ -290,14 +290,13 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                         if thinking:
                             st.thinking.append(thinking)
 
-            async def write_lines() -> None:
+            async def write_lines() -> None:  # the batch in one write (one syscall)
                 nonlocal out
-                if lines:  # the whole batch in one write (one syscall), newline-delimited
-                    if out is None:
-                        out = await prepare_ndjson(request)
-                    lines.append(b"")
-                    await out.write(b"\n".join(lines))
-                    lines.clear()
+                if out is None:
+                    out = await prepare_ndjson(request)
+                lines.append(b"")
+                await out.write(b"\n".join(lines))  # newline-delimited
+                lines.clear()
 
             async for batch in iter_sse_batches(resp):
                 note_first_byte(request)
@@ -312,13 +311,15 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                         more, content = split.add(content)
                         thinking += more
                     take(content, thinking)
-                await write_lines()
+                if lines:
+                    await write_lines()
                 if st.error:
                     break
             if split is not None and not st.error:
                 thinking, content = split.end()
                 take(content, thinking)
-                await write_lines()
+                if lines:
+                    await write_lines()
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         return _refused(gw, e)
     except UpstreamError as e:
