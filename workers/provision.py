@@ -379,6 +379,12 @@ def _extract_llama_cpp(tarball: Path, src_dir: Path) -> Path:
     return llama_dir
 
 
+#: CUDA architectures a CUDA build targets on a build host with no visible GPU and no
+#: ``CUDAARCHS`` in its environment (Turing, Ampere, Ada, Hopper): llama.cpp's default there
+#: is "native", which fails without a GPU (a fresh tester's find).
+PORTABLE_CUDA_ARCHS = "75;80;86;89;90"
+
+
 def _cmake_configure_args(source: Path, build: Path, backend: str) -> list[str]:
     args = [
         "cmake", "-S", str(source), "-B", str(build),
@@ -402,9 +408,13 @@ def _cmake_configure_args(source: Path, build: Path, backend: str) -> list[str]:
             raise ProvisionError("backend 'cuda' requested but nvcc was not found")
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={nvcc}"]
         caps = sorted(set(_nvidia_compute_capabilities()))
-        if caps:
+        if os.environ.get("CUDAARCHS"):
+            pass  # CMake's own variable: the operator's choice of architectures
+        elif caps:
             archs = ";".join(f"{major}{minor}" for major, minor in caps)
             args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
+        else:  # no GPU to build for ("native" fails without one): the common ones
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={PORTABLE_CUDA_ARCHS}")
     elif backend != "cpu":
         raise ProvisionError(f"unknown llama-server backend {backend!r} (expected 'cpu' or 'cuda')")
     return args

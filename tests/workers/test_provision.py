@@ -256,6 +256,22 @@ def test_cuda_configure_args_use_present_architectures(isolated, monkeypatch):
         provision._cmake_configure_args(Path("/src"), Path("/build"), "rocm")
 
 
+def test_cuda_build_without_a_visible_gpu_targets_common_architectures(isolated, monkeypatch):
+    """On a build host with nvcc and no GPU llama.cpp's default ("native") fails: the build
+    targets the common architectures, or CMake's own ``CUDAARCHS`` when the operator set it
+    (a fresh tester's find)."""
+    import sys
+
+    make_fake_exe(isolated / "pathbin" / "nvcc")
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(count=0))
+    monkeypatch.delenv("CUDAARCHS", raising=False)
+    args = provision._cmake_configure_args(Path("/src"), Path("/build"), "cuda")
+    assert f"-DCMAKE_CUDA_ARCHITECTURES={provision.PORTABLE_CUDA_ARCHS}" in args
+    monkeypatch.setenv("CUDAARCHS", "89")
+    args = provision._cmake_configure_args(Path("/src"), Path("/build"), "cuda")
+    assert not [a for a in args if a.startswith("-DCMAKE_CUDA_ARCHITECTURES")]
+
+
 # ----------------------------------------------------------------------------- build plumbing (fakes)
 
 
