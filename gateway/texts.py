@@ -105,6 +105,13 @@ def side_call_failed(model: str, path: str, why: str) -> str:
             f"worker in rotation, please retry")
 
 
+def side_call_crashed(model: str, path: str) -> str:
+    """A worker of ``model`` exited while it computed the side call ``path`` for this request,
+    and another did too, or none other is left to try: not tried again."""
+    return (f"a worker of model '{model}' exited while it computed {path} for this request, "
+            f"which is not tried again (a request that crashes workers would take each in turn)")
+
+
 def side_call_too_big(model: str, path: str, size: int, timeout_s: float) -> str:
     """A side call ``path`` of ``size`` bytes that a worker of ``model`` did not answer within
     ``timeout_s`` seconds: not retried (``worker_calls.BIG_BODY_BYTES``)."""

@@ -402,7 +402,7 @@ class Upstream:
                                            "Content-Type": "application/json"},
                                           spares=self.spares, progress=progress)
                         # abort_worker gives up on it (a retry follows); a connection that
-                        # closes from here on closed under this request (``_crashed``)
+                        # closes from here on closed under this request (``process_exited``)
                         with self._unanswered_while(lease.worker.id, resp):
                             await resp.wait_head()
                 except TimeoutError:
@@ -435,7 +435,7 @@ class Upstream:
                 e.worker = lease.worker.id
                 self._give_back(ticket.request_id, lease, resp, deadline, hold=False)
                 if e.kind == "connection" and resp is not None and not down_seen \
-                        and await _crashed(ep):
+                        and await process_exited(ep):
                     # the worker's process ended as its connection closed under this request:
                     # the retry rule of a worker that went down (a crash is seen as a plain
                     # connection reset before the supervisor sees the exit)
@@ -486,7 +486,7 @@ class Upstream:
 CRASH_SEEN_S = 0.3
 
 
-async def _crashed(ep: Endpoint | None) -> bool:
+async def process_exited(ep: Endpoint | None) -> bool:
     """Whether the process behind ``ep`` exited as a request's connection to it closed:
     polled every 10 ms for up to CRASH_SEEN_S."""
     if ep is None:

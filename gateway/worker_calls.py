@@ -32,9 +32,10 @@ import orjson
 from gateway.logs import get_logger
 from gateway.scheduling.side_calls import SideCallRouter
 from gateway.scheduling.worker_view import WorkerView
-from gateway.texts import (DEADLINE_MESSAGE, no_ready_worker, side_call_failed,
-                          side_call_too_big, side_call_unsupported)
-from gateway.upstream import Endpoint, UpstreamError, current_request, parse_error_body
+from gateway.texts import (DEADLINE_MESSAGE, no_ready_worker, side_call_crashed,
+                          side_call_failed, side_call_too_big, side_call_unsupported)
+from gateway.upstream import (Endpoint, UpstreamError, current_request, parse_error_body,
+                              process_exited)
 
 log = get_logger("gateway.worker_calls")
 router = SideCallRouter()
@@ -146,6 +147,7 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
     data = None if body is None else orjson.dumps(body)
     tried: dict[str, int] = {}
     last: _Retry | None = None
+    crashed = 0  # workers whose process exited as this call's connection closed
     while True:
         fit = fit_workers(gw, model)
         if prefer is not None and prefer not in fit:
@@ -188,6 +190,15 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
                 # find: 30 tries of a 60 MB prompt in 3 minutes, gigabytes per worker)
                 raise UpstreamError(504, side_call_too_big(model, path, len(data), limit),
                                     "side_call")
+            if e.why == "connection failed" and await process_exited(ep):
+                # A call that crashes its worker (a chat template that segfaults llama-server
+                # on one message) was tried on each worker in turn as each came back: 8
+                # crashes in 5 s and the model's workers in crash-loop "failed" for 300 s
+                # (a fresh tester's find). As for a request (Upstream.request): once more,
+                # on another worker, and not on a model's only worker.
+                crashed += 1
+                if crashed >= 2 or not set(fit_workers(gw, model)) - {wid}:
+                    raise UpstreamError(502, side_call_crashed(model, path), "worker_down")
             if tried[wid] > 1:  # back on a worker already tried: do not spin
                 await asyncio.sleep(min(1.0, 0.1 * tried[wid]))
             continue

@@ -17,6 +17,7 @@ at once (full queue, no worker can serve) gets that answer before any side call.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from datetime import datetime
 
@@ -267,64 +268,71 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s,
                          body=upstream_body)
-    st = StreamState(t_start_ns=t0_ns(request))
     is_chat = path.endswith("chat/completions")
     out: web.StreamResponse | None = None
-    failure: UpstreamError | None = None
-    try:
-        async with gw.upstream.request(ticket, path, upstream_body) as (lease, resp):
-            # Ollama's load_duration ends once a runner has the request (a slot here), not
-            # at the worker's headers, which come with the first token after the prefill
-            # (tester S: load_duration held the whole prompt evaluation)
-            st.t_loaded_ns = int(lease.granted_at * 1e9)
-            note_lease(request, lease)
-            fold = st.fold_chat if is_chat else st.fold_completion_pair
-            lines: list[bytes] = []
+    first_split, first_echo = (copy.deepcopy(split) if split is not None else None), echoed
+    for tries in (1, 2):
+        st = StreamState(t_start_ns=t0_ns(request))
+        failure: UpstreamError | None = None
+        try:
+            async with gw.upstream.request(ticket, path, upstream_body) as (lease, resp):
+                # Ollama's load_duration ends once a runner has the request (a slot here), not
+                # at the worker's headers, which come with the first token after the prefill
+                # (tester S: load_duration held the whole prompt evaluation)
+                st.t_loaded_ns = int(lease.granted_at * 1e9)
+                note_lease(request, lease)
+                fold = st.fold_chat if is_chat else st.fold_completion_pair
+                lines: list[bytes] = []
 
-            def take(content: str, thinking: str) -> None:
-                if content or thinking:
-                    if stream:
-                        lines.append(orjson.dumps(chunk(st, content, thinking)))
-                    else:
-                        st.content.append(content)
-                        if thinking:
-                            st.thinking.append(thinking)
+                def take(content: str, thinking: str) -> None:
+                    if content or thinking:
+                        if stream:
+                            lines.append(orjson.dumps(chunk(st, content, thinking)))
+                        else:
+                            st.content.append(content)
+                            if thinking:
+                                st.thinking.append(thinking)
 
-            async def write_lines() -> None:  # the batch in one write (one syscall)
-                nonlocal out
-                if out is None:
-                    out = await prepare_ndjson(request)
-                lines.append(b"")
-                await out.write(b"\n".join(lines))  # newline-delimited
-                lines.clear()
+                async def write_lines() -> None:  # the batch in one write (one syscall)
+                    nonlocal out
+                    if out is None:
+                        out = await prepare_ndjson(request)
+                    lines.append(b"")
+                    await out.write(b"\n".join(lines))  # newline-delimited
+                    lines.clear()
 
-            async for batch in iter_sse_batches(resp):
-                note_first_byte(request)
-                st.created_at = now_utc_z()  # one timestamp per network read, not per token
-                for data in batch:
-                    content, thinking = fold(orjson.loads(data))
+                async for batch in iter_sse_batches(resp):
+                    note_first_byte(request)
+                    st.created_at = now_utc_z()  # one timestamp per network read, not per token
+                    for data in batch:
+                        content, thinking = fold(orjson.loads(data))
+                        if st.error:
+                            break
+                        if echoed and content:
+                            content, echoed = _unecho(content, echoed)
+                        if split is not None and content:
+                            more, content = split.add(content)
+                            thinking += more
+                        take(content, thinking)
+                    if lines:
+                        await write_lines()
                     if st.error:
                         break
-                    if echoed and content:
-                        content, echoed = _unecho(content, echoed)
-                    if split is not None and content:
-                        more, content = split.add(content)
-                        thinking += more
+                if split is not None and not st.error:
+                    thinking, content = split.end()
                     take(content, thinking)
-                if lines:
-                    await write_lines()
-                if st.error:
-                    break
-            if split is not None and not st.error:
-                thinking, content = split.end()
-                take(content, thinking)
-                if lines:
-                    await write_lines()
-    except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
-        return _refused(gw, e)
-    except UpstreamError as e:
-        failure = e
-        st.error, st.error_status = upstream_error_text(e)
+                    if lines:
+                        await write_lines()
+        except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
+            return _refused(gw, e)
+        except UpstreamError as e:
+            failure = e
+            st.error, st.error_status = upstream_error_text(e)
+        if tries == 1 and out is None and failure is not None \
+                and _answer_again(gw, ticket, failure, request):
+            split, echoed = (copy.deepcopy(first_split) if first_split else None), first_echo
+            continue
+        break
     if st.error:
         note_upstream_error(request, st.error, out is not None, failure)
         if out is None:
@@ -347,6 +355,31 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
         out = await prepare_ndjson(request)
     await out.write_eof(orjson.dumps(obj) + b"\n")  # last line and end of stream in one write
     return out
+
+
+#: Upstream failures after a worker began an answer that a request nothing was written for
+#: yet is sent again for, once: its worker went down (crash, wedge, a restart whose drain ran
+#: out) or its connection broke mid-answer.
+ANSWER_AGAIN_KINDS = ("worker_down", "stream_broken")
+
+
+def _answer_again(gw, ticket, failure: UpstreamError, request: web.Request) -> bool:
+    """Whether a request whose answer broke off before anything reached its client (a
+    non-streamed one, or a stream before its first line) is run again, on another worker of
+    its model that is in rotation: the client got a 502 although another worker was idle (a
+    fresh tester's find). Only once (a request that crashes workers then takes down two, as
+    the retry rule of ``Upstream.request`` allows), never on the same worker, and not while
+    the gateway stops. Logs ``upstream.answer_again``."""
+    wid = request.get("worker")
+    if failure.kind not in ANSWER_AGAIN_KINDS or wid is None or gw.admission.shutting_down:
+        return False
+    if not any(w.model == ticket.model and w.id != wid and w.id not in ticket.avoid
+               and w.in_rotation for w in gw.dispatcher.workers.values()):
+        return False
+    ticket.avoid = ticket.avoid | {wid}
+    log.warning("upstream.answer_again", request_id=ticket.request_id, worker=wid,
+                reason=failure.message)
+    return True
 
 
 def _unecho(content: str, echoed: str) -> tuple[str, str]:

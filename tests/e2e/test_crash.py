@@ -181,3 +181,34 @@ def test_a_worker_killed_while_it_computes_a_prompt_is_retried_elsewhere(tmp_pat
     events = [json.loads(ln) for ln in gw.log_path.read_text().splitlines() if ln.startswith("{")]
     retries = [e for e in events if e["event"] == "upstream.retry"]
     assert [e["worker"] for e in retries] == [busy["id"]], retries
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_a_non_streamed_answer_cut_by_a_crash_is_answered_by_another_worker(
+        gateway_factory, workers):
+    """A non-streamed request whose worker was SIGKILLed mid-answer got 502, although its client
+    had received nothing and another worker was idle (a fresh tester's find). It runs again, once,
+    on another worker of its model and is answered in full; with no other worker, 502 as before
+    (the same worker restarted would take a request that crashes it twice)."""
+    cfg = base_config(free_port(), llama_server={"threads": 1, "restart_backoff_initial_s": 12})
+    cfg["models"][0].update(cpu=workers, slots=1, context=8192)
+    gw = gateway_factory(cfg)
+    body = {"model": "demo", "prompt": "a", "raw": True, "stream": False,
+            "options": {"num_predict": 3000, "temperature": 0}}
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(httpx.post, gw.url + "/api/generate", json=body, timeout=120)
+        victim = wait_for(lambda: next((w for w in gw.workers() if w["busy"] == 1), None), 30,
+                          "the request on a worker")
+        time.sleep(0.5)  # well into its answer
+        os.kill(victim["pid"], signal.SIGKILL)
+        r = fut.result(timeout=120)
+    events = [json.loads(ln) for ln in gw.log_path.read_text().splitlines() if ln.startswith("{")]
+    again = [e for e in events if e["event"] == "upstream.answer_again"]
+    if workers == 1:
+        assert r.status_code == 502 and again == [], r.text
+        return
+    assert r.status_code == 200, r.text
+    assert (r.json()["eval_count"], r.json()["done_reason"]) == (3000, "length")
+    assert [e["worker"] for e in again] == [victim["id"]], again
+    (done,) = [e for e in events if e["event"] == "request.done" and e.get("path") == "/api/generate"]
+    assert done["worker"] != victim["id"] and not done.get("cut"), done

@@ -627,14 +627,63 @@ def test_a_request_that_crashes_workers_is_not_tried_on_a_third(tmp_path, gatewa
     assert "while it computed this request, which is not tried again" in r.text, r.text
     # the supervisor may log the second exit after the answer: wait for it, and a moment more
     # for a third that must not come
-    down = lambda: {e["worker"] for e in log_events(gw.log_path)  # noqa: E731
-                    if e.get("event") == "worker.down"}
-    wait_for(lambda: len(down()) >= 2, 10, "2 workers down")
+    wait_for(lambda: len(_workers_down(gw)) >= 2, 10, "2 workers down")
     time.sleep(1)
-    exited = down()
+    exited = _workers_down(gw)
     retried = [e for e in log_events(gw.log_path) if e.get("event") == "upstream.retry"]
     assert len(retried) == 1 and len(exited) == 2, (retried, exited)
     _spared_and_serving(gw, pids, exited)
+
+
+def test_a_request_that_crashes_workers_mid_answer_is_answered_again_once(tmp_path,
+                                                                        gateway_factory):
+    """A non-streamed request whose worker crashes mid-answer runs again on another worker
+    (its client had nothing yet), but only once: one that crashes every worker (the FAKE's
+    ``CRASH-LATER``: 2 tokens, then exit) takes down two of three, then 502, and the third
+    keeps serving."""
+    gw = _freezing_fakes(tmp_path, gateway_factory, 3)
+    pids = {w["id"]: w["pid"] for w in gw.workers()}
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "CRASH-LATER", "raw": True, "stream": False,
+        "options": {"num_predict": 8}})
+    assert r.status_code == 502, r.text
+    wait_for(lambda: len(_workers_down(gw)) >= 2, 10, "2 workers down")
+    time.sleep(1)
+    again = [e for e in log_events(gw.log_path) if e.get("event") == "upstream.answer_again"]
+    assert len(_workers_down(gw)) == 2 and len(again) == 1, (_workers_down(gw), again)
+    _spared_and_serving(gw, pids, _workers_down(gw))
+
+
+@pytest.mark.parametrize("workers", [3, 1])
+def test_a_side_call_that_crashes_workers_is_not_tried_on_a_third(tmp_path, gateway_factory,
+                                                                  workers):
+    """A chat template that crashes llama-server on one message: /api/generate's render
+    (``/apply-template``, a side call) was tried on each worker in turn as each came back,
+    8 crashes in 5 s and the model's workers in crash-loop ``failed`` for 300 s (a fresh
+    tester's find). Now as for a request: once more on another worker, then 502; on a
+    model's only worker not again. The FAKE worker's render exits on ``CRASH-ME``."""
+    binary = fake_binary(tmp_path, "marker", first_only=False)
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(binary), "liveness_interval_s": 0.5, "liveness_timeout_s": 1,
+        "stop_grace_s": 1}, scheduler={"prefix_affinity": False},
+        generation={"template_shapes": False})  # every render asks a worker
+    cfg["models"][0].update(cpu=workers, slots=1)
+    gw = gateway_factory(cfg)
+    pids = {w["id"]: w["pid"] for w in gw.workers()}
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "CRASH-ME", "stream": False, "options": {"num_predict": 4}})
+    assert r.status_code == 502, r.text
+    assert "/apply-template for this request, which is not tried again" in r.json()["error"]
+    wait_for(lambda: _workers_down(gw), 10, "a worker down")
+    time.sleep(1.5)  # a third crash would have come by now
+    assert len(_workers_down(gw)) == min(workers, 2), _workers_down(gw)
+    if workers == 3:
+        _spared_and_serving(gw, pids, _workers_down(gw))
+
+
+def _workers_down(gw) -> set[str]:
+    """Ids of the workers the log says went down."""
+    return {e["worker"] for e in log_events(gw.log_path) if e.get("event") == "worker.down"}
 
 
 def test_a_request_that_crashes_a_models_only_worker_is_not_tried_again(tmp_path,

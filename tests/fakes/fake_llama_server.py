@@ -23,7 +23,9 @@ says:
   it), as a request that sends llama-server's main loop into an endless loop does. A
   completion whose body contains ``CRASH_MARKER`` (``CRASH-ME``) ends the process at once
   (status 3, no answer: its connections close as the process exits), as a request that
-  crashes llama-server does. Every other
+  crashes llama-server does (also in ``/apply-template``, which otherwise renders each message
+  as ``role: content``); with ``CRASH_LATER_MARKER`` (``CRASH-LATER``) it streams 2
+  tokens first (a request that crashes it mid-answer). Every other
   ``/completion`` (what ``/api/generate`` with ``raw`` uses) streams ``n_predict``
   tokens (at most 64) and ends like llama-server's (``stop_type`` ``limit``, ``timings``); other
   completion routes answer 501. ``/health``, ``/slots`` (a new ``id_task`` per
@@ -58,6 +60,7 @@ STALL_MARKER = "STALL-ME"
 LEAK_MARKER = "LEAK-ME"
 FREEZE_MARKER = "FREEZE-ME"
 CRASH_MARKER = "CRASH-ME"
+CRASH_LATER_MARKER = "CRASH-LATER"
 
 
 class FakeSlots:
@@ -137,6 +140,14 @@ def main(argv: list[str]) -> None:
                                   "modalities": {"vision": False},
                                   "default_generation_settings": {"n_ctx": fake_slots.n_ctx}})
 
+    async def apply_template(request):  # a message CRASH-ME crashes it, as a template can
+        body = await request.read()
+        if CRASH_MARKER.encode() in body:
+            os._exit(3)
+        msgs = json.loads(body).get("messages") or []
+        return web.json_response({"prompt": "".join(f"{m.get('role')}: {m.get('content')}\n"
+                                                    for m in msgs) + "assistant: "})
+
     loading_left = [args.fake_loading_completions]  # completions still answered 503 (loading)
 
     async def completion(request):
@@ -184,6 +195,9 @@ def main(argv: list[str]) -> None:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for k in range(1, n + 1):
+                if k == 3 and CRASH_LATER_MARKER.encode() in body:
+                    await asyncio.sleep(0.05)  # the 2 tokens leave the socket first
+                    os._exit(3)
                 fake_slots.decoded[i] = k
                 ev = {"index": 0, "content": " tok", "tokens": [42], "stop": False, "id_slot": i,
                       "tokens_predicted": k, "tokens_evaluated": 4}
@@ -216,6 +230,7 @@ def main(argv: list[str]) -> None:
                     web.get("/lora-adapters", lora_adapters), web.get("/metrics", metrics),
                     web.get("/props", props),
                     web.post("/completion", completion),
+                    web.post("/apply-template", apply_template),
                     web.post("/v1/chat/completions", completion),
                     web.post("/v1/completions", completion)])
 
