@@ -569,6 +569,18 @@ def _freeze_me_gets_502(gw) -> list[dict]:
     return log_events(gw.log_path)
 
 
+def _poison_three_fakes(tmp_path, gateway_factory, prompt: str, stream: bool):
+    """(gateway, worker id → pid, response) after ``prompt`` (a FAKE marker) was sent to a
+    gateway of three FAKE workers; the response must be a 502."""
+    gw = _freezing_fakes(tmp_path, gateway_factory, 3)
+    pids = {w["id"]: w["pid"] for w in gw.workers()}
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": prompt, "raw": True, "stream": stream,
+        "options": {"num_predict": 8}})
+    assert r.status_code == 502, r.text
+    return gw, pids, r
+
+
 def _spared_and_serving(gw, pids: dict, downed: set) -> None:
     """The one worker of ``pids`` (id → pid at start) not in ``downed`` kept its process and
     was never restarted, and the gateway still answers."""
@@ -618,12 +630,7 @@ def test_a_request_that_crashes_workers_is_not_tried_on_a_third(tmp_path, gatewa
     retried as a lost connection: on each of 3 workers in turn, 3 crashes for one request.
     Seen exited as its connection closed, the worker counts as gone down under the request:
     a second worker is tried, not a third; on a one-worker model none."""
-    gw = _freezing_fakes(tmp_path, gateway_factory, 3)
-    pids = {w["id"]: w["pid"] for w in gw.workers()}
-    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
-        "model": "demo", "prompt": "CRASH-ME", "raw": True, "stream": stream,
-        "options": {"num_predict": 4}})
-    assert r.status_code == 502, r.text
+    gw, pids, r = _poison_three_fakes(tmp_path, gateway_factory, "CRASH-ME", stream)
     assert "while it computed this request, which is not tried again" in r.text, r.text
     # the supervisor may log the second exit after the answer: wait for it, and a moment more
     # for a third that must not come
@@ -641,12 +648,7 @@ def test_a_request_that_crashes_workers_mid_answer_is_answered_again_once(tmp_pa
     (its client had nothing yet), but only once: one that crashes every worker (the FAKE's
     ``CRASH-LATER``: 2 tokens, then exit) takes down two of three, then 502, and the third
     keeps serving."""
-    gw = _freezing_fakes(tmp_path, gateway_factory, 3)
-    pids = {w["id"]: w["pid"] for w in gw.workers()}
-    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
-        "model": "demo", "prompt": "CRASH-LATER", "raw": True, "stream": False,
-        "options": {"num_predict": 8}})
-    assert r.status_code == 502, r.text
+    gw, pids, _ = _poison_three_fakes(tmp_path, gateway_factory, "CRASH-LATER", False)
     wait_for(lambda: len(_workers_down(gw)) >= 2, 10, "2 workers down")
     time.sleep(1)
     again = [e for e in log_events(gw.log_path) if e.get("event") == "upstream.answer_again"]
