@@ -379,7 +379,7 @@ async def model(request: web.Request) -> web.Response:
         request["model"] = e.name
     wanted = normalize_model_name(name)
     shown = next((shown for v, full, shown in visible_names(request)
-                  if v is e and full == wanted), None)
+                  if v is e and normalize_model_name(full) == wanted), None)
     if e is None or shown is None:
         raise model_not_found_v1(name)
     return web.json_response(_model_obj(e, shown), dumps=lambda o: orjson.dumps(o).decode())

@@ -183,6 +183,9 @@ def test_a_key_allowed_only_an_alias_sees_the_alias_listed(secured):
     assert [m.id for m in oc.models.list()] == ["other:latest", "gpt-4o"]
     assert oc.models.retrieve("gpt-4o").id == "gpt-4o"
     assert oc.models.retrieve("gpt-4o:latest").id == "gpt-4o"
+    assert oc.models.retrieve("GPT-4o").id == "gpt-4o"  # names are case-insensitive
+    admin = openai.OpenAI(base_url=secured.url + "/v1", api_key=ADMIN)
+    assert admin.models.retrieve("Demo").id == "demo:latest"
     with pytest.raises(openai.NotFoundError):
         oc.models.retrieve("demo")  # not a name of the key's model
     tags = httpx.get(secured.url + "/api/tags", headers=h).json()["models"]
