@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from gateway.admission import Admission
-from gateway.config import GatewayConfig, WorkerPlan, fingerprint
+from gateway.config import (CTX_FLAGS, SLOT_FLAGS, GatewayConfig, WorkerPlan, fingerprint,
+                            flag_values)
 from gateway.inventory import slot_context
 from gateway.logs import get_logger
 from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
@@ -185,8 +186,10 @@ class Fleet:
             facts = self.model_facts.get(plan.model)
             # llama-server caps each slot at the trained context but allocates the KV cache
             # for all of -c: a context above it only cost memory (27 MB against 95 MB for
-            # the demo; VRAM on a GPU; a fresh tester's find)
-            ctx = slot_context(plan.context, facts.context_length if facts else 0)
+            # the demo; VRAM on a GPU; a fresh tester's find). Not when the args set -np or
+            # -c themselves: the worker's slots then split another -c
+            ctx = plan.context if flag_values(args, SLOT_FLAGS + CTX_FLAGS) else \
+                slot_context(plan.context, facts.context_length if facts else 0)
             if ctx < plan.context:
                 log.warning("worker.context_capped", worker=plan.id, configured=plan.context,
                             trained=ctx)

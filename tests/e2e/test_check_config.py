@@ -24,7 +24,11 @@ def test_check_config_context_matches_what_the_workers_report(tmp_path, gateway_
         model("demo", slots=2, context=768),                    # not capped (4096 trained)
         # one KV buffer for all slots: each may use all of -c (check-config printed 256; a
         # fresh tester's find)
-        model("uni", slots=4, context=256, args=["--kv-unified"])])
+        model("uni", slots=4, context=256, args=["--kv-unified"]),
+        # -np in args splits the -c of the plan: the context is not capped before the start
+        # (2 × 8192 over 3 slots: 4,096 each, at the training context), where capping it first
+        # gave 2 × 4096 over 3, 2,816 each (a fresh tester's find)
+        model("np3", slots=2, context=8192, args=["-np", "3"])])
     gw = gateway_factory(cfg)
     r = subprocess.run([sys.executable, "-m", "gateway", "check-config", "-c", str(gw.cfg_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -39,7 +43,8 @@ def test_check_config_context_matches_what_the_workers_report(tmp_path, gateway_
         n_ctx = {s["n_ctx"] for s in gw.slots(w)}
         assert n_ctx == {printed[w["id"]]}, (w["id"], n_ctx, r.stdout)
     ps = {m["name"]: m["context_length"] for m in httpx.get(gw.url + "/api/ps").json()["models"]}
-    assert ps == {"short:latest": 512, "demo:latest": 768, "uni:latest": 1024}
+    assert ps == {"short:latest": 512, "demo:latest": 768, "uni:latest": 1024,
+                  "np3:latest": 4096}
     assert "(--kv-unified in args: every slot may use the whole -c)" in r.stdout
     # the capped worker is started with -c for the context it gets: llama-server allocated the
     # KV cache for all of -c (2 × 1024 here) while it used 2 × 512 (a fresh tester's find)
