@@ -306,7 +306,7 @@ class WorkerProcess:
             self.log.warning("worker.env_ignored", names=ignored,
                              reason="the gateway sets these itself")
         if self.state_dir is not None:  # found by the next gateway's reap_stale_workers
-            env[WORKER_MARKER_ENV] = os.fsdecode(_marker_prefix(self.state_dir)) + self.spec.worker_id
+            env[WORKER_MARKER_ENV] = os.fsdecode(self._marker())
         self.proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=set_pdeathsig)
@@ -397,10 +397,34 @@ class WorkerProcess:
         except PermissionError:  # not ours (cannot happen for a group we made): the leader only
             if self.proc.returncode is None:
                 self.proc.send_signal(sig)
+        for pid in self._escaped():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    def _escaped(self) -> list[int]:
+        """Processes of this worker outside its process group: a wrapper that started
+        llama-server with ``setsid`` left one loaded server per restart and one at every stop
+        (a fresh tester's find). Found by the worker's environment marker (``_marker``)."""
+        marker = self._marker()
+        if marker is None or self.proc is None:
+            return []
+        return [pid for pid in _marked_pids(marker, exact=True)
+                if _pgid(pid) not in (None, self.proc.pid)]
+
+    def _marker(self) -> bytes | None:
+        """This worker's ``WORKER_MARKER_ENV`` value (None without a state directory)."""
+        if self.state_dir is None:
+            return None
+        return _marker_prefix(self.state_dir) + self.spec.worker_id.encode()
 
     def _group_alive(self) -> bool:
-        """Whether a process of the worker's group other than a zombie still runs."""
+        """Whether a process of the worker's group other than a zombie still runs, or one of
+        its processes that left the group (:meth:`_escaped`)."""
         assert self.proc is not None
+        if self._escaped():
+            return True
         try:
             os.killpg(self.proc.pid, 0)
         except ProcessLookupError:
@@ -487,9 +511,10 @@ def _proc_groups():
                 yield int(fields[2]), fields[0]
 
 
-def _marked_pids(marker: bytes) -> list[int]:
-    """Pids of the processes whose environment has a ``WORKER_MARKER_ENV`` value starting with
-    ``marker`` (those of other users cannot be read and are skipped)."""
+def _marked_pids(marker: bytes, exact: bool = False) -> list[int]:
+    """Pids of the live processes (zombies aside) whose environment has a
+    ``WORKER_MARKER_ENV`` value starting with ``marker`` (equal to it with ``exact``); those of
+    other users cannot be read and are skipped."""
     found = []
     key = WORKER_MARKER_ENV.encode() + b"=" + marker
     for d in os.listdir("/proc"):
@@ -499,9 +524,24 @@ def _marked_pids(marker: bytes) -> list[int]:
                     env = f.read()
             except OSError:
                 continue
-            if any(v.startswith(key) for v in env.split(b"\0")):
-                found.append(int(d))
+            values = env.split(b"\0")
+            if (key in values) if exact else any(v.startswith(key) for v in values):
+                if _pgid(int(d)) is not None:
+                    found.append(int(d))
     return found
+
+
+def _pgid(pid: int) -> int | None:
+    """Process group of ``pid`` from ``/proc/PID/stat``; None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if len(fields) < 3 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[2])
 
 
 def reap_stale_workers(state_dir: Path) -> list[int]:

@@ -162,16 +162,21 @@ def _wrapped_llama_servers(wrapper_pid: int) -> set[int]:
         return set()
 
 
-def test_a_wrapper_script_without_exec_leaves_no_llama_server(tmp_path):
+@pytest.mark.parametrize("start", ["plain", "setsid"])
+def test_a_wrapper_script_without_exec_leaves_no_llama_server(tmp_path, start):
     """``llama_server.binary`` a wrapper script that starts llama-server without ``exec`` (to
     set an environment, say): the gateway signalled only the wrapper, and its llama-server,
     with its port and (on a GPU) its memory, outlived an admin restart, the gateway's SIGTERM
     and its SIGKILL, and the next start did not recognise it (a fresh tester's find). Now the
     worker's process group is signalled and waited for, and the next start finds what a
-    SIGKILLed gateway left by the worker's environment marker."""
+    SIGKILLed gateway left by the worker's environment marker. A wrapper that starts it with
+    ``setsid`` (out of the group) is found by that marker at every stop too (a fresh tester saw
+    one loaded llama-server left per restart and per stop)."""
     wrapper = tmp_path / "wrapped-llama-server"
     tag = f"ORPHAN_TEST_{os.getpid()}_{port_tag(tmp_path)}"  # finds them below if this fails
-    wrapper.write_text(f"#!/bin/sh\nexport {tag}=1\n'{ensure_llama_server()}' \"$@\"\n")
+    run = (f"'{ensure_llama_server()}' \"$@\"" if start == "plain"
+           else f"setsid '{ensure_llama_server()}' \"$@\" &\nwait")
+    wrapper.write_text(f"#!/bin/bash\nexport {tag}=1\n{run}\n")
     wrapper.chmod(0o755)
     port = free_port()
     cfg = base_config(port, admin={"token": "t"},
