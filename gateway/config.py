@@ -188,7 +188,8 @@ def _v_num_predict(v: object) -> int:
     if _is_int(v) and v >= -2:
         return v
     raise _Invalid(
-        ((), f"expected an integer >= -2 (-1 = until end of text, -2 = fill the context), got {_got(v)}")
+        ((), f"expected an integer >= -2 (-1 or -2 = until the end of the text or of the "
+             f"context), got {_got(v)}")
     )
 
 

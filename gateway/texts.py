@@ -129,3 +129,9 @@ def side_call_unsupported(model: str, path: str, status: int) -> str:
 def no_ready_worker(model: str) -> str:
     """No worker of ``model`` came into rotation while a side call waited for one."""
     return f"no ready worker for model '{model}'; please try again"
+
+
+#: A request's answer when the gateway could not open a socket to a worker because it has no
+#: file descriptors left (EMFILE/ENFILE): the gateway's own limit, not the worker's fault.
+OUT_OF_DESCRIPTORS = ("the gateway has no file descriptors left (its open-files limit, "
+                      "RLIMIT_NOFILE, is reached: too many open connections); please retry")

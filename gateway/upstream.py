@@ -32,10 +32,10 @@ from gateway.admission import Admission
 from gateway.logs import get_logger
 from gateway.scheduling import SlotLease, Ticket, TooLarge, TooManySlots
 from gateway.texts import (DEADLINE_MESSAGE, KV_EXHAUSTED_MESSAGE, KV_EXHAUSTED_WORKER_TEXT,
-                          context_overflow, shutting_down_running)
+                          OUT_OF_DESCRIPTORS, context_overflow, shutting_down_running)
 from gateway.watchdog import StreamWatch, Watchdog
 from gateway.worker_http import (SpareConnections, WorkerConnectionError, WorkerDown,
-                                 WorkerPayloadError, WorkerResponse, send)
+                                 WorkerPayloadError, WorkerResponse, out_of_descriptors, send)
 
 log = get_logger("gateway.upstream")
 
@@ -416,6 +416,11 @@ class Upstream:
                     went_down = down_seen = True
                     raise err from None
                 except WorkerConnectionError as e:
+                    if out_of_descriptors(e):  # the gateway's own shortage (not retried)
+                        log.warning("gateway.out_of_descriptors", during="request",
+                                    request_id=ticket.request_id, error=str(e))
+                        raise UpstreamError(503, OUT_OF_DESCRIPTORS, "gateway_overloaded") \
+                            from None
                     raise UpstreamError(502, f"worker {lease.worker.id} unreachable: {e}",
                                         "connection")
                 if resp.status == 503:

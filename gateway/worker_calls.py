@@ -32,10 +32,12 @@ import orjson
 from gateway.logs import get_logger
 from gateway.scheduling.side_calls import SideCallRouter
 from gateway.scheduling.worker_view import WorkerView
-from gateway.texts import (DEADLINE_MESSAGE, no_ready_worker, side_call_crashed,
-                          side_call_failed, side_call_too_big, side_call_unsupported)
+from gateway.texts import (DEADLINE_MESSAGE, OUT_OF_DESCRIPTORS, no_ready_worker,
+                          side_call_crashed, side_call_failed, side_call_too_big,
+                          side_call_unsupported)
 from gateway.upstream import (Endpoint, UpstreamError, current_request, parse_error_body,
                               process_exited)
+from gateway.worker_http import out_of_descriptors
 
 log = get_logger("gateway.worker_calls")
 router = SideCallRouter()
@@ -91,6 +93,10 @@ async def _send(gw, ep: Endpoint, path: str, body: bytes | None, timeout_s: floa
     except TimeoutError:
         raise _Retry(504, f"no answer within {timeout_s:g} s", "timeout") from None
     except (aiohttp.ClientError, OSError) as e:
+        if out_of_descriptors(e):  # the gateway's own shortage: no retry helps at once
+            log.warning("gateway.out_of_descriptors", during="side call", path=path,
+                        error=str(e))
+            raise UpstreamError(503, OUT_OF_DESCRIPTORS, "gateway_overloaded") from None
         raise _Retry(502, "connection failed", f"{type(e).__name__}: {e}") from None
     if resp.status == 503:
         err = parse_error_body(503, data)

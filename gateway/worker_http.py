@@ -26,6 +26,7 @@ The response object offers what the relays and the watchdog need, with aiohttp's
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from typing import AsyncIterator, Callable
 
@@ -34,6 +35,20 @@ import httptools
 #: Body bytes buffered (not yet read by the relay) above which reading from the worker pauses;
 #: reading resumes once the relay has taken them. Bounds memory per slow client.
 HIGH_WATER_BYTES = 262144
+
+
+def out_of_descriptors(e: BaseException) -> bool:
+    """Whether ``e`` (or the OS error it wraps, as aiohttp's connector errors do) is the
+    gateway's own process or system running out of file descriptors (EMFILE / ENFILE): idle
+    client connections that used up a 1,024 limit made every liveness probe fail, and a
+    healthy worker was declared wedged and stopped (a fresh tester's find)."""
+    seen = 0
+    while e is not None and seen < 4:
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        e = getattr(e, "os_error", None) or e.__cause__ or e.__context__
+        seen += 1
+    return False
 
 
 class WorkerConnectionError(ConnectionError):

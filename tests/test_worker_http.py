@@ -243,3 +243,29 @@ async def test_a_spare_past_its_age_or_closed_by_the_worker_is_not_used():
     gc.collect()
     await asyncio.sleep(0)
     assert errors == []  # no "Future exception was never retrieved" for the dead spare
+
+
+def test_out_of_descriptors_is_told_from_other_connection_errors():
+    """EMFILE/ENFILE, directly or wrapped (aiohttp's connector errors keep the OS error in
+    ``os_error``, ``send`` raises from None with the OS error as context), is the gateway's
+    own shortage: a 503 naming its limit, never a worker's fault (a fresh tester saw 502
+    "worker unreachable: Too many open files")."""
+    import errno as errno_
+
+    from gateway.worker_http import WorkerConnectionError, out_of_descriptors
+
+    emfile = OSError(errno_.EMFILE, "Too many open files")
+    assert out_of_descriptors(emfile) and out_of_descriptors(OSError(errno_.ENFILE, "x"))
+    assert not out_of_descriptors(OSError(errno_.ECONNREFUSED, "refused"))
+    assert not out_of_descriptors(ValueError("x"))
+
+    class Wrapped(Exception):
+        os_error = emfile
+    assert out_of_descriptors(Wrapped())
+    try:
+        try:
+            raise emfile
+        except OSError as e:
+            raise WorkerConnectionError(f"cannot connect: {e}") from None
+    except WorkerConnectionError as e:
+        assert out_of_descriptors(e)

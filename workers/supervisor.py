@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import errno
 import math
 import time
 from typing import Awaitable, Callable
@@ -41,6 +40,7 @@ from typing import Awaitable, Callable
 import aiohttp
 
 from gateway.logs import get_logger
+from gateway.worker_http import out_of_descriptors
 from workers.process import LaunchSpec, WorkerProcess
 from workers.stall_check import check_worker
 
@@ -48,20 +48,6 @@ ReadyCallback = Callable[["WorkerSupervisor"], None]
 DownCallback = Callable[["WorkerSupervisor", str], None]
 StateCallback = Callable[["WorkerSupervisor"], None]
 CheckCallback = Callable[["WorkerSupervisor", bool], None]
-
-
-def out_of_descriptors(e: BaseException) -> bool:
-    """Whether ``e`` (or the OS error it wraps, as aiohttp's connector errors do) is the
-    gateway's own process or system running out of file descriptors (EMFILE / ENFILE): idle
-    client connections that used up a 1,024 limit made every liveness probe fail, and a
-    healthy worker was declared wedged and stopped (a fresh tester's find)."""
-    seen = 0
-    while e is not None and seen < 4:
-        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
-            return True
-        e = getattr(e, "os_error", None) or e.__cause__ or e.__context__
-        seen += 1
-    return False
 
 
 #: Seconds a liveness probe may go unanswered before the worker's new work goes to the
