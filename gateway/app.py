@@ -198,6 +198,7 @@ class Gateway:
         entry = self.inventory.resolve(model) if self.inventory is not None else None
         if entry is not None:
             entry.worker_template, entry.worker_vision = None, False
+            entry.opens_reasoning = None
             entry.template_shapes.clear()
 
     def fleet_status(self) -> str:

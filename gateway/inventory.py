@@ -247,6 +247,9 @@ class ModelEntry:
     _digest_waited: bool = False  # a listing already waited for the unfinished hash
     worker_template: str | None = None   # chat template a worker reported in /props, if asked
     worker_vision: bool = False          # a worker reported modalities.vision in /props
+    #: whether the template's generation prompt ends with its opening reasoning tag (asked
+    #: once with a rendered sample, api/ollama.py ``_thinking_split``), dropped with it too
+    opens_reasoning: bool | None = None
     #: chat-template renders learned by shape (api/render.py), dropped with worker_template
     template_shapes: TemplateShapes = field(default_factory=TemplateShapes)
     last_used_s: float | None = None      # time.time() of the last request (touch)

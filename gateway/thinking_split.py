@@ -68,6 +68,10 @@ class ThinkingSplit:
             pass
         return "".join(thinking), "".join(content)
 
+    def untouched(self) -> bool:
+        """Whether no generated text was given to it yet (a prompt's opening tag aside)."""
+        return not self.raw
+
     def end(self) -> tuple[str, str]:
         """The text still held at the end of the generation as (thinking, content): a partial
         closing tag inside the reasoning is reasoning, anything else is content."""

@@ -49,7 +49,7 @@ from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease, worker_state
 from gateway.thinking_split import ThinkingSplit, think_tags
 from gateway.upstream import UpstreamError, iter_sse_batches
-from gateway.worker_calls import tokenize
+from gateway.worker_calls import apply_template, tokenize
 
 log = get_logger("gateway.api.ollama")
 
@@ -206,6 +206,27 @@ async def _thinking_split(gw, entry: ModelEntry, think, prompt: str = "") -> Thi
     return split
 
 
+async def _sample_prompt(gw, entry: ModelEntry, think) -> str:
+    """For ``/api/chat``, which does not see its rendered prompt: the opening reasoning tag
+    when the model's template ends its generation prompt with it (DeepSeek-R1 style; learned
+    once per worker process from a rendered sample chat), else "". The reasoning and its
+    closing tag then came back in ``content`` from a worker that does not take the template
+    for a reasoning one (a fresh tester's find)."""
+    if think is None or think is False:
+        return ""
+    tags = think_tags(await model_template(gw, entry))
+    if tags is None:
+        return ""
+    if entry.opens_reasoning is None:
+        try:
+            sample = await apply_template(gw, entry.name, [{"role": "user", "content": "hi"}],
+                                          chat_template_kwargs={"enable_thinking": True})
+        except UpstreamError:
+            return ""  # asked again next time
+        entry.opens_reasoning = sample.rstrip().endswith(tags[0])
+    return tags[0] if entry.opens_reasoning else ""
+
+
 def _think_kwargs(think) -> dict:
     """Ollama runner: ``think`` → ``chat_template_kwargs {enable_thinking, reasoning_effort?}``."""
     if think is None:
@@ -310,6 +331,8 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                             break
                         if echoed and content:
                             content, echoed = _unecho(content, echoed)
+                        if split is not None and thinking and split.untouched():
+                            split = None  # the worker splits the reasoning itself
                         if split is not None and content:
                             more, content = split.add(content)
                             thinking += more
@@ -451,7 +474,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     else:
         path = "/v1/chat/completions"
         think = await _think_default(gw, entry, think, fmt)
-        split = await _thinking_split(gw, entry, think)
+        split = await _thinking_split(gw, entry, think, await _sample_prompt(gw, entry, think))
         up = {"model": entry.name, "messages": msgs, "stream": True,
               "stream_options": {"include_usage": True}, **_sampling(request, body, entry),
               **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}

@@ -29,6 +29,11 @@ PLAIN = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['cont
          "{{ '<|im_start|>assistant\\n' }}"
          "{% if enable_thinking is defined and enable_thinking is false %}"
          "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+# the same, opening the reasoning in the generation prompt: llama-server does not take it for
+# a reasoning template either, and /api/chat does not see the rendered prompt
+PLAIN_OPENS = PLAIN.replace("{{ '<|im_start|>assistant\\n' }}",
+                            "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is not "
+                            "defined or enable_thinking %}{{ '<think>\\n' }}{% endif %}")
 # DeepSeek-R1 style: the generation prompt opens the reasoning itself
 OPENS = STRIPS.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
 BLOCK = 'root ::= "<think>" [a-z] [a-z ]{4,16} "</think>" [a-z] [a-z ]{4,16}'
@@ -41,13 +46,15 @@ def gw(module_gateway_factory, tmp_path_factory):
     (d / "strips.jinja").write_text(STRIPS)
     (d / "opens.jinja").write_text(OPENS)
     (d / "plain.jinja").write_text(PLAIN)
+    (d / "plain_opens.jinja").write_text(PLAIN_OPENS)
 
     def model(name, tpl, grammar):
         return {"name": name, "path": "builtin:demo", "slots": 1, "context": 1024, "cpu": 1,
                 "args": ["--chat-template-file", str(d / tpl), "--grammar", grammar]}
     return module_gateway_factory(base_config(free_port(), models=[
         model("strips", "strips.jinja", BLOCK), model("opens", "opens.jinja", OPENED),
-        model("plain", "plain.jinja", BLOCK)]))
+        model("plain", "plain.jinja", BLOCK),
+        model("plain_opens", "plain_opens.jinja", OPENED)]))
 
 
 def call(gw, path, body, stream):
@@ -97,6 +104,21 @@ def test_chat_answers_thinking_apart(gw, stream):
     # think off: no parser, the text as generated (after the template's own empty block)
     thinking, answer, _ = call(gw, "/api/chat", {**ask, "think": False}, stream)
     assert thinking == "" and answer.startswith("<think>") and "</think>" in answer, answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_on_a_template_that_opens_the_reasoning_unrecognised(gw, stream):
+    """/api/chat does not see its rendered prompt; the gateway learns from a rendered sample
+    that the template ends its generation prompt with ``<think>``, so the worker's content
+    (reasoning, ``</think>``, answer: llama-server does not take this template for a
+    reasoning one) is split as Ollama splits it (a fresh tester's find: all of it landed in
+    ``content``)."""
+    assert "<think>" in PLAIN_OPENS
+    ask = {"model": "plain_opens", "messages": [{"role": "user", "content": "hi"}]}
+    for extra in ({"think": True}, {}):
+        thinking, answer, _ = call(gw, "/api/chat", {**ask, **extra}, stream)
+        assert thinking.strip() and answer, (thinking, answer)
+        assert "</think>" not in thinking + answer, (thinking, answer)
 
 
 @pytest.mark.parametrize("path", ["/api/generate", "/api/chat"])
