@@ -525,7 +525,8 @@ def test_prompt_that_cannot_fit_is_refused_up_front(gateway_factory):
 CJK_PROMPT = "请清楚而简洁地回答用户的问题并在有帮助时逐步解释你的推理" * 4
 
 
-@pytest.mark.parametrize("prompt,num_predict,most", [("hi", 400, 2), (CJK_PROMPT, 300, 1)])
+@pytest.mark.parametrize("prompt,num_predict,most", [("hi", 400, 2), (CJK_PROMPT, 300, 1)],
+                         ids=["ascii", "cjk"])
 def test_kv_headroom_routing_unified_cache(gateway_factory, prompt, num_predict, most):
     """Field case 3: one worker, -np 4 sharing a unified KV cache of 1024 tokens; four requests
     of ~400 tokens each. Straight to the worker all four fail ("Context size has been
