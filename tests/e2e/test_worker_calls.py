@@ -265,10 +265,11 @@ def test_a_full_queue_refuses_long_prompts_and_embed_truncation_before_any_side_
 
 
 def test_a_worker_without_a_side_call_endpoint_gives_502_not_404(tmp_path, gateway_factory):
-    """A fresh tester's find: a worker whose llama-server lacks ``/apply-template`` (here the
-    FAKE of tests/fakes in ``marker`` mode, which serves ``/completion`` but not that route)
-    made ``/api/generate`` without ``raw`` answer 404 ``404: Not Found``, which Ollama clients
-    read as "model not found". It is a 502 that names the endpoint, and logged."""
+    """A fresh tester's find: a worker whose llama-server lacks a side-call route (here the
+    FAKE of tests/fakes in ``marker`` mode, which serves ``/completion`` and ``/apply-template``
+    but not ``/tokenize``, which ``/api/generate`` without ``raw`` asks for its ``context``)
+    made ``/api/generate`` answer 404 ``404: Not Found``, which Ollama clients read as "model
+    not found". It is a 502 that names the endpoint, and logged."""
     from tests.fakes import fake_binary
     binary = fake_binary(tmp_path, "marker", first_only=False)
     cfg = base_config(free_port(), llama_server={"binary": str(binary)},
@@ -279,7 +280,7 @@ def test_a_worker_without_a_side_call_endpoint_gives_502_not_404(tmp_path, gatew
                                                    "stream": False}, timeout=30)
     assert r.status_code == 502, r.text
     assert r.json() == {"error": "the workers of model 'demo:latest' do not serve "
-                                 "/apply-template (HTTP 404 from llama-server); the gateway "
+                                 "/tokenize (HTTP 404 from llama-server); the gateway "
                                  "needs a llama-server build with it"}
     assert '"event": "worker_call.unsupported"' in gw.log_path.read_text()
     r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "hi", "raw": True,
