@@ -258,6 +258,7 @@ class WorkerProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self._pipes: list[asyncio.Task] = []
         self._exit_logged = False  # worker.exited was logged (wait)
+        self._escapees: list[int] | None = None  # _group_alive's processes outside the group
         #: The first error line llama-server wrote (its timestamp and level letter removed),
         #: usually the most specific reason it gives for exiting (``error: invalid argument:
         #: --x``; ``llama_model_load: error loading model: …``, before the lines that repeat it
@@ -421,18 +422,23 @@ class WorkerProcess:
 
     def _group_alive(self) -> bool:
         """Whether a process of the worker's group other than a zombie still runs, or one of
-        its processes that left the group (:meth:`_escaped`)."""
+        its processes that left the group (:meth:`_escaped`, looked up once per stop in
+        ``/proc`` and then followed by pid: this is polled every 20 ms)."""
         assert self.proc is not None
-        if self._escaped():
-            return True
         try:
             os.killpg(self.proc.pid, 0)
+            in_group = any(pgrp == self.proc.pid and state not in (b"Z", b"X")
+                           for pgrp, state in _proc_groups())
         except ProcessLookupError:
-            return False
+            in_group = False
         except PermissionError:
+            in_group = True
+        if in_group:
             return True
-        return any(pgrp == self.proc.pid and state not in (b"Z", b"X")
-                   for pgrp, state in _proc_groups())
+        if self._escapees is None:
+            self._escapees = self._escaped()
+        self._escapees = [pid for pid in self._escapees if _pgid(pid) is not None]
+        return bool(self._escapees)
 
     async def _ended(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for the process and every process of its group
@@ -466,6 +472,7 @@ class WorkerProcess:
         within its 1 s HTTP polling interval (``HTTP_POLLING_SECONDS``)."""
         if self.proc is None:
             return None
+        self._escapees = None  # looked up again for this stop
         if self.proc.returncode is None or self._group_alive():
             self.kill(signal.SIGTERM)
             first = min(SECOND_SIGTERM_S, grace_s / 2)
