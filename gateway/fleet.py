@@ -180,10 +180,10 @@ class Fleet:
         """Register a worker of ``plan`` under the current config, or, with ``launch``, with
         that (spec, fingerprint) of an earlier process (a reload's rollback)."""
         ls = self.config.llama_server
+        facts = self.model_facts.get(plan.model)
         if launch is None:
             mcfg = next(m for m in self.config.models if m.full_name == plan.model)
             args = list(ls.extra_args) + _model_args(mcfg)
-            facts = self.model_facts.get(plan.model)
             # llama-server caps each slot at the trained context but allocates the KV cache
             # for all of -c: a context above it only cost memory (27 MB against 95 MB for
             # the demo; VRAM on a GPU; a fresh tester's find). Not when the args set -np or
@@ -211,12 +211,11 @@ class Fleet:
         self.supervisors[plan.id] = sup
         self.plans[plan.id] = plan
         self.slot_watches[plan.id] = SlotLeakWatch(self.admission.dispatcher.clock)
-        facts = self.model_facts.get(plan.model)
         kv_bytes = kv_bytes_from_gguf(facts.kv, facts.architecture, args) if facts else 0
-        total = spec.slots * spec.context_per_slot  # -c as started (the trained context's cap)
-        self.admission.dispatcher.add_worker(
-            plan.id, plan.model, plan.slots, n_ctx=spec.context_per_slot, kv_capacity=total,
-            cache_tokens=worker_cache_tokens(total, args, kv_bytes))
+        self.admission.dispatcher.add_worker(  # -c as started (the trained context's cap)
+            plan.id, plan.model, plan.slots, n_ctx=spec.context_per_slot,
+            kv_capacity=spec.total_context,
+            cache_tokens=worker_cache_tokens(spec.total_context, args, kv_bytes))
         sc = self.config.scheduler
         self.pollers[plan.id] = WorkerPoller(
             plan.id, lambda wid=plan.id: self.endpoint_of(wid),
@@ -411,8 +410,7 @@ class Fleet:
         self.admission.worker_checking(sup.id, False)  # a new process: no check of it runs
         self.admission.worker_slots(sup.id, actual)
         if sup.slots_n_ctx:
-            self.admission.worker_context(sup.id, int(sup.slots_n_ctx),
-                                          sup.spec.slots * sup.spec.context_per_slot)
+            self.admission.worker_context(sup.id, int(sup.slots_n_ctx), sup.spec.total_context)
         self.admission.worker_ready(sup.id, True)
         if self.on_new_process is not None:
             self.on_new_process(sup.spec.alias)

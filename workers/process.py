@@ -140,6 +140,11 @@ class LaunchSpec:
     log_verbosity: int | None = None
 
     @property
+    def total_context(self) -> int:
+        """Tokens of the worker's whole context (``-c``): slots * context_per_slot."""
+        return self.slots * self.context_per_slot
+
+    @property
     def operator_verbosity(self) -> bool:
         """Whether the operator chose the worker's log verbosity: one of
         :data:`VERBOSITY_FLAGS` in ``extra_args`` (the model's ``args`` or
@@ -156,7 +161,7 @@ class LaunchSpec:
     def argv(self, port: int) -> list[str]:
         args = [str(self.binary), "-m", str(self.model_path), "--host", "127.0.0.1",
                 "--port", str(port), "-np", str(self.slots),
-                "-c", str(self.slots * self.context_per_slot), "--metrics", "--slots",
+                "-c", str(self.total_context), "--metrics", "--slots",
                 "--alias", self.alias, "--no-webui"]
         if self.threads:
             args += ["-t", str(self.threads)]
@@ -286,14 +291,9 @@ class WorkerProcess:
         connection close can tell a crash from a lost connection (``Upstream.request``)."""
         if self.proc is None or self.proc.returncode is not None:
             return True
-        try:
-            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-                stat = f.read()
-        except FileNotFoundError:
-            return os.path.isdir("/proc/self")  # gone; without /proc, unknown: alive
-        except OSError:
-            return False
-        return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")
+        if not os.path.isdir("/proc/self"):
+            return False  # without /proc: unknown, taken as alive
+        return _running_group(self.proc.pid) is None
 
     async def start(self) -> None:
         """Spawn the process. Raises OSError if the binary cannot be executed or its pid file
@@ -412,7 +412,7 @@ class WorkerProcess:
         if marker is None or self.proc is None:
             return []
         return [pid for pid in _marked_pids(marker, exact=True)
-                if _pgid(pid) not in (None, self.proc.pid)]
+                if _running_group(pid) not in (None, self.proc.pid)]
 
     def _marker(self) -> bytes | None:
         """This worker's ``WORKER_MARKER_ENV`` value (None without a state directory)."""
@@ -427,8 +427,7 @@ class WorkerProcess:
         assert self.proc is not None
         try:
             os.killpg(self.proc.pid, 0)
-            in_group = any(pgrp == self.proc.pid and state not in (b"Z", b"X")
-                           for pgrp, state in _proc_groups())
+            in_group = any(_running_group(pid) == self.proc.pid for pid in _proc_pids())
         except ProcessLookupError:
             in_group = False
         except PermissionError:
@@ -437,7 +436,7 @@ class WorkerProcess:
             return True
         if self._escapees is None:
             self._escapees = self._escaped()
-        self._escapees = [pid for pid in self._escapees if _pgid(pid) is not None]
+        self._escapees = [pid for pid in self._escapees if _running_group(pid) is not None]
         return bool(self._escapees)
 
     async def _ended(self, timeout_s: float) -> bool:
@@ -504,18 +503,9 @@ class WorkerProcess:
                 pass
 
 
-def _proc_groups():
-    """(process group id, state letter) of every process in ``/proc`` (Linux)."""
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(b")") + 2:].split()
-            if len(fields) > 2:
-                yield int(fields[2]), fields[0]
+def _proc_pids() -> list[int]:
+    """Pids of every process in ``/proc`` (Linux)."""
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 
 
 def _marked_pids(marker: bytes, exact: bool = False) -> list[int]:
@@ -523,22 +513,28 @@ def _marked_pids(marker: bytes, exact: bool = False) -> list[int]:
     ``WORKER_MARKER_ENV`` value starting with ``marker`` (equal to it with ``exact``); those of
     other users cannot be read and are skipped."""
     found = []
-    key = WORKER_MARKER_ENV.encode() + b"=" + marker
-    for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != os.getpid():
-            try:
-                with open(f"/proc/{d}/environ", "rb") as f:
-                    env = f.read()
-            except OSError:
-                continue
-            values = env.split(b"\0")
-            if (key in values) if exact else any(v.startswith(key) for v in values):
-                if _pgid(int(d)) is not None:
-                    found.append(int(d))
+    for pid in _proc_pids():
+        if pid == os.getpid():
+            continue
+        marks = _marks_of(pid)
+        if ((marker in marks) if exact else any(m.startswith(marker) for m in marks)) \
+                and _running_group(pid) is not None:
+            found.append(pid)
     return found
 
 
-def _pgid(pid: int) -> int | None:
+def _marks_of(pid: int) -> list[bytes]:
+    """The ``WORKER_MARKER_ENV`` values in ``pid``'s environment (none when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return []
+    key = WORKER_MARKER_ENV.encode() + b"="
+    return [v[len(key):] for v in env if v.startswith(key)]
+
+
+def _running_group(pid: int) -> int | None:
     """Process group of ``pid`` from ``/proc/PID/stat``; None when it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -601,13 +597,7 @@ def _live_pid(pidfile: Path) -> int | None:
         return None
     if Path(exe).resolve() != Path(binary).resolve():
         return None
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
-    except OSError:
-        return pid
-    key = WORKER_MARKER_ENV.encode() + b"="
-    marks = [v[len(key):] for v in env if v.startswith(key)]
+    marks = _marks_of(pid)
     if marks and not marks[0].startswith(_marker_prefix(pidfile.parent)):
         return None
     return pid

@@ -189,42 +189,43 @@ async def _think_default(gw, entry: ModelEntry, think, fmt) -> object:
     return think
 
 
-async def _thinking_split(gw, entry: ModelEntry, think, prompt: str = "") -> ThinkingSplit | None:
+async def _thinking_split(gw, entry: ModelEntry, think,
+                          prompt: str | None) -> ThinkingSplit | None:
     """Ollama's thinking parser for an answer with ``think`` on, when the model's chat template
     names its reasoning tags (``thinking_split.think_tags``), else None. A ``prompt`` (the
     rendered text sent to ``/completion``) that ends with the opening tag has opened the
-    reasoning already (Ollama GenerateHandler: the tag is fed to the parser first)."""
+    reasoning already (Ollama GenerateHandler: the tag is fed to the parser first). ``/api/chat``
+    does not see its rendered prompt (None): whether the template ends its generation prompt
+    with the opening tag (DeepSeek-R1 style) is learned once per worker process from a rendered
+    sample chat; the reasoning and its closing tag came back in ``content`` from a worker that
+    does not take such a template for a reasoning one (a fresh tester's find)."""
     if think is None or think is False:
         return None
     tags = think_tags(await model_template(gw, entry))
     if tags is None:
         return None
     split = ThinkingSplit(*tags)
-    if prompt.rstrip().endswith(tags[0]):
+    if prompt is None:
+        opens = await _template_opens(gw, entry, tags[0])
+    else:
+        opens = prompt.rstrip().endswith(tags[0])
+    if opens:
         split.add(tags[0])
         split.raw.clear()  # the prompt's, not the answer's
     return split
 
 
-async def _sample_prompt(gw, entry: ModelEntry, think) -> str:
-    """For ``/api/chat``, which does not see its rendered prompt: the opening reasoning tag
-    when the model's template ends its generation prompt with it (DeepSeek-R1 style; learned
-    once per worker process from a rendered sample chat), else "". The reasoning and its
-    closing tag then came back in ``content`` from a worker that does not take the template
-    for a reasoning one (a fresh tester's find)."""
-    if think is None or think is False:
-        return ""
-    tags = think_tags(await model_template(gw, entry))
-    if tags is None:
-        return ""
+async def _template_opens(gw, entry: ModelEntry, opening: str) -> bool:
+    """Whether ``entry``'s template ends its generation prompt with ``opening`` (cached in
+    ``ModelEntry.opens_reasoning``; a failed render is asked again next time)."""
     if entry.opens_reasoning is None:
         try:
             sample = await apply_template(gw, entry.name, [{"role": "user", "content": "hi"}],
                                           chat_template_kwargs={"enable_thinking": True})
         except UpstreamError:
-            return ""  # asked again next time
-        entry.opens_reasoning = sample.rstrip().endswith(tags[0])
-    return tags[0] if entry.opens_reasoning else ""
+            return False
+        entry.opens_reasoning = sample.rstrip().endswith(opening)
+    return entry.opens_reasoning
 
 
 def _think_kwargs(think) -> dict:
@@ -474,7 +475,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     else:
         path = "/v1/chat/completions"
         think = await _think_default(gw, entry, think, fmt)
-        split = await _thinking_split(gw, entry, think, await _sample_prompt(gw, entry, think))
+        split = await _thinking_split(gw, entry, think, None)
         up = {"model": entry.name, "messages": msgs, "stream": True,
               "stream_options": {"include_usage": True}, **_sampling(request, body, entry),
               **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}
