@@ -373,6 +373,7 @@ class WorkerProcess:
         if not self._exit_logged:
             self._exit_logged = True
             self.log.info("worker.exited", pid=self.proc.pid, status=rc)
+            self._end_leftovers()
         for t in self._pipes:
             try:
                 # what it wrote last (often why it exited) is still being read: 2 s lost a
@@ -382,6 +383,16 @@ class WorkerProcess:
                 t.cancel()
         self._remove_pidfile()
         return rc
+
+    def _end_leftovers(self) -> None:
+        """The process has exited and been reaped: SIGKILL what it left running, in its group
+        or outside it with the worker's marker. A wrapper that started llama-server detached
+        and exited was seen as a worker that exited, restarted while the detached server lived
+        on, one more per restart (a fresh tester's find: 5 in 60 s, then crash-loop "failed")."""
+        self._escapees = None
+        if self._group_alive():
+            self.log.warning("worker.leftovers_killed", pids=self._escapees or [])
+            self.kill(signal.SIGKILL)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the worker's whole process group (its own, ``set_pdeathsig``): a

@@ -242,3 +242,36 @@ def _after_sigkill(gw, second: int, seen: set[int]) -> None:
     # SIGTERM of the gateway: every process of the worker ends
     assert gw.stop() == 0
     assert _children_gone({third}), "the wrapper's llama-server outlived the gateway's stop"
+
+
+def test_a_wrapper_that_detaches_llama_server_and_exits_leaves_none_behind(tmp_path):
+    """A wrapper that starts llama-server detached (``setsid … &``) and exits: the gateway saw
+    its worker exit, restarted it, and the detached server lived on, one more per restart (a
+    fresh tester's find: 5 in 60 s). What a worker's process leaves when it exits is ended
+    (by its group and the worker's environment marker), so at most one runs at a time, and
+    none after the gateway's stop."""
+    tag = f"DETACH_TEST_{os.getpid()}_{port_tag(tmp_path)}"
+    wrapper = tmp_path / "detaching-llama-server"
+    wrapper.write_text(f"#!/bin/bash\nexport {tag}=1\n"
+                       f"setsid '{ensure_llama_server()}' \"$@\" &\nsleep 2\nexit 0\n")
+    wrapper.chmod(0o755)
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(wrapper), "threads": 1, "restart_backoff_initial_s": 0.5})
+    cfg["models"][0].update(cpu=1, slots=1)
+    gw = start_gateway(tmp_path, cfg, wait=False)
+    try:
+        most = 0
+        end = time.monotonic() + 15  # several exits and restarts
+        while time.monotonic() < end:
+            most = max(most, len([p for p in _tagged(tag) if p in llama_server_pids()]))
+            time.sleep(0.2)
+        assert most <= 1, most
+        assert '"worker.leftovers_killed"' in gw.log_path.read_text()
+        assert gw.stop() == 0
+        assert _children_gone(_tagged(tag) & llama_server_pids()), "left after the stop"
+    finally:
+        if gw.proc.poll() is None:
+            gw.proc.kill()
+        for pid in _tagged(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
