@@ -28,7 +28,7 @@ from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
 from gateway.scheduling import make_scorer
 from gateway.scheduling.scorer import keep_prefix_index
 from gateway.scheduling.slot_leaks import SlotLeak, SlotLeakWatch
-from gateway.sizing import SizeEstimate, estimate, wide_bytes
+from gateway.sizing import Ratios, SizeEstimate, dense_bytes, estimate, wide_bytes
 from gateway.speed import SpeedBoard
 from gateway.upstream import Endpoint
 from workers.gpu import read_gpu_stats
@@ -56,6 +56,11 @@ _WIDE_SAMPLES = (
     "Вы полезный помощник. Отвечайте на вопросы пользователя ясно и кратко и объясняйте ход "
     "рассуждений шаг за шагом, когда это помогает.",
 )
+# Sample of ASCII digits and punctuation (numbers, a date, an address, code symbols): text
+# of them tokenizes at about a byte a token, half the prose ratio or less (gateway.sizing).
+_DENSE_SAMPLE = ('3.14159265358979 2.718281828 1,048,576 -42 +7.5e-3 0x7fff 192.168.0.1 '
+                 '2026-12-01T11:28:39Z {"a": [1, 2, 3], "b": {}}; (x[0] + y[1]) * 2 >= 0 && '
+                 'i++ != j-- || !k; #!/@$%^&~`|\\<>?:=_') * 2
 
 
 def _model_args(mcfg) -> list[str]:
@@ -116,8 +121,7 @@ class Fleet:
         #: ready (its chat template or projector may have changed: a reload or restart)
         self.on_new_process = None
         self.pollers: dict[str, WorkerPoller] = {}
-        self.bytes_per_token: dict[str, float] = {}
-        self.wide_bytes_per_token: dict[str, float] = {}  # of non-ASCII text (gateway.sizing)
+        self.ratios: dict[str, Ratios] = {}  # model -> its tokenizer's (gateway.sizing)
         self.speeds = SpeedBoard()  # measured decode speed per worker process
         self.measured_speed = True  # scheduler.measured_speed (set by apply_scheduler)
         self.slot_watches: dict[str, SlotLeakWatch] = {}  # worker id -> its leaked-slot watch
@@ -414,7 +418,7 @@ class Fleet:
         self.admission.worker_ready(sup.id, True)
         if self.on_new_process is not None:
             self.on_new_process(sup.spec.alias)
-        if sup.spec.alias not in self.bytes_per_token and self._session is not None:
+        if sup.spec.alias not in self.ratios and self._session is not None:
             t = asyncio.get_running_loop().create_task(self._measure_tokenizer(sup))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
@@ -549,15 +553,17 @@ class Fleet:
             d.set_speed(wid, speed)
 
     async def _measure_tokenizer(self, sup: WorkerSupervisor) -> None:
-        """Bytes per token of this model's tokenizer, of ASCII text and of non-ASCII text
-        (the fewest among ``_WIDE_SAMPLES``, each sample's tokens all counted against its
-        non-ASCII bytes), from the worker's ``/tokenize``."""
+        """Bytes per token of this model's tokenizer (``sizing.Ratios``), from the worker's
+        ``/tokenize``: of digits and punctuation (``_DENSE_SAMPLE``), of ASCII prose
+        (``_TOKENIZE_SAMPLE``, its few digits and punctuation counted at the dense ratio) and
+        of non-ASCII text (the fewest among ``_WIDE_SAMPLES``, each sample's tokens all counted
+        against its non-ASCII bytes)."""
         ep = self.endpoint_of(sup.id)
         if ep is None or self._session is None:
             return
         counts = []
         try:
-            for text in (_TOKENIZE_SAMPLE,) + _WIDE_SAMPLES:
+            for text in (_TOKENIZE_SAMPLE, _DENSE_SAMPLE) + _WIDE_SAMPLES:
                 async with self._session.post(ep.url + "/tokenize", json={"content": text},
                                               headers={"Authorization": f"Bearer {ep.api_key}"},
                                               timeout=aiohttp.ClientTimeout(total=5)) as r:
@@ -566,30 +572,30 @@ class Fleet:
             log.warning("tokenizer.measure_failed", worker=sup.id, error=str(e))
             return
         if all(counts):
-            bpt = len(_TOKENIZE_SAMPLE.encode()) / counts[0]
-            wide = min(wide_bytes(t.encode()) / n for t, n in zip(_WIDE_SAMPLES, counts[1:]))
-            self.bytes_per_token[sup.spec.alias] = bpt
-            self.wide_bytes_per_token[sup.spec.alias] = wide
+            prose = _TOKENIZE_SAMPLE.encode()
+            dense = len(_DENSE_SAMPLE) / counts[1]
+            in_prose = dense_bytes(prose)
+            # the prose's letters' own ratio: its tokens less those of its punctuation
+            bpt = (len(prose) - in_prose) / max(counts[0] - in_prose / dense, counts[0] / 2)
+            wide = min(wide_bytes(t.encode()) / n for t, n in zip(_WIDE_SAMPLES, counts[2:]))
+            self.ratios[sup.spec.alias] = Ratios(bpt, wide, dense)
             log.info("tokenizer.measured", worker=sup.id, model=sup.spec.alias,
-                     bytes_per_token=round(bpt, 3), wide_bytes_per_token=round(wide, 3))
+                     bytes_per_token=round(bpt, 3), wide_bytes_per_token=round(wide, 3),
+                     dense_bytes_per_token=round(dense, 3))
 
-    def bytes_per_token_of(self, model: str) -> float:
-        """UTF-8 bytes per token of ``model``'s tokenizer as measured on a worker, else the
-        configured ``scheduler.bytes_per_token``."""
-        return self.bytes_per_token.get(model, self.config.scheduler.bytes_per_token)
-
-    def wide_bytes_per_token_of(self, model: str) -> float | None:
-        """UTF-8 bytes per token of non-ASCII text for ``model`` as measured on a worker, else
-        None (the ASCII ratio stands for both)."""
-        return self.wide_bytes_per_token.get(model)
+    def ratios_of(self, model: str) -> Ratios:
+        """Bytes per token of ``model``'s tokenizer as measured on a worker, else the
+        configured ``scheduler.bytes_per_token`` for all text."""
+        return self.ratios.get(model) or Ratios(self.config.scheduler.bytes_per_token)
 
     def estimate(self, model: str, body: dict, counted_tokens: int | None = None) -> SizeEstimate:
         """Size estimate and prefix key of an upstream body for ``model`` (gateway.sizing;
         ``counted_tokens``: its single prompt's tokens counted by a worker, if known)."""
         sc = self.config.scheduler
         n_ctx = max((w.n_ctx for w in self.admission.dispatcher.workers_for(model)), default=0)
-        return estimate(body, bytes_per_token=self.bytes_per_token_of(model),
-                        wide_bytes_per_token=self.wide_bytes_per_token_of(model),
+        r = self.ratios_of(model)
+        return estimate(body, bytes_per_token=r.ascii, wide_bytes_per_token=r.wide,
+                        dense_bytes_per_token=r.dense,
                         prefix_bytes=sc.prefix_bytes,
                         unknown_num_predict=sc.unknown_num_predict_tokens, n_ctx=n_ctx,
                         counted_tokens=counted_tokens)

@@ -26,7 +26,7 @@ from gateway.api.common import loads_body
 from gateway.api.errors import ApiError, context_overflow
 from gateway.logs import get_logger
 from gateway.scheduling import Unavailable
-from gateway.sizing import content_text, text_tokens, wide_bytes
+from gateway.sizing import Ratios, content_text
 from gateway.texts import header_text
 from gateway.upstream import UpstreamError
 from gateway.worker_calls import tokenize
@@ -249,10 +249,9 @@ async def check_prompt_length(gw, entry: ModelEntry, body: dict, path: str) -> i
         size = len(data)
         if size + held <= ctx:  # fits even at a token per byte
             if held:  # the context's tokens are known; the text's estimated as the scheduler does
-                bpt = (gw.fleet.bytes_per_token_of(entry.name) if gw.fleet
-                       else gw.config.scheduler.bytes_per_token)
-                wide = gw.fleet.wide_bytes_per_token_of(entry.name) if gw.fleet else None
-                counted = held + math.ceil(text_tokens(size, wide_bytes(data), bpt, wide))
+                ratios = (gw.fleet.ratios_of(entry.name) if gw.fleet
+                          else Ratios(gw.config.scheduler.bytes_per_token))
+                counted = held + math.ceil(ratios.tokens(data))
             continue
         least = entry.facts.min_tokens(size)
         if least + held >= ctx:  # too long whatever the tokenizer makes of it: no /tokenize

@@ -7,7 +7,10 @@ has measured the model's tokenizer on a worker (``/tokenize`` of a sample text,
 (``wide_bytes_per_token``, measured on samples of such text): a tokenizer spends far more
 tokens per byte on them (0.9 bytes a token for the demo's byte-level vocabulary against 1.9 for
 English), and a ratio measured on English let 4 requests of CJK prompts onto a worker whose KV
-cache held 2 (tester S: 503 for the other two). For the up-front "cannot fit" refusal the estimate is divided by
+cache held 2 (tester S: 503 for the other two). ASCII digits and punctuation have a third
+(``dense_bytes_per_token``, measured on digits and code symbols): about a token a byte for the
+demo, and at the prose ratio several prompts of numbers or code overflowed a worker's shared
+KV cache (tester U). For the up-front "cannot fit" refusal the estimate is divided by
 ``REFUSE_SAFETY`` (1.25) so that text that tokenizes better than the sample is not refused
 wrongly; the worker itself still refuses what slips through (llama-server
 ``exceed_context_size_error``, relayed as 400).
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import string
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -130,15 +134,14 @@ def content_text(content) -> str:
     return ""
 
 
-def _chain_parts(body: dict, bytes_per_token: float, prefix_bytes: int,
-                 wide_bytes_per_token: float | None = None) -> list[tuple[bytes, int]]:
+def _chain_parts(body: dict, ratios: Ratios, prefix_bytes: int) -> list[tuple[bytes, int]]:
     """The parts ``prefix_chain`` hashes: one per chat message (role and text), else slices of
     a plain prompt (string or token ids) at doubling boundaries."""
     msgs = body.get("messages")
+    bytes_per_token = ratios.ascii
 
     def tokens(b: bytes, extra: int = 0) -> int:
-        return math.ceil(text_tokens(len(b) + extra, wide_bytes(b), bytes_per_token,
-                                     wide_bytes_per_token))
+        return math.ceil(ratios.tokens(b, extra))
     if isinstance(msgs, list):
         parts = []
         for m in msgs:
@@ -187,6 +190,8 @@ def prompt_head_and_size(body: dict) -> tuple[bytes, int]:
 
 
 _HIGH_BYTES = bytes(range(128, 256))
+#: ASCII digits and punctuation: text of them tokenizes far worse than prose
+_DENSE_BYTES = (string.digits + string.punctuation).encode()
 
 
 def wide_bytes(data: bytes) -> int:
@@ -194,30 +199,53 @@ def wide_bytes(data: bytes) -> int:
     return len(data) - len(data.translate(None, _HIGH_BYTES))
 
 
-def text_tokens(size: int, wide: int, bytes_per_token: float,
-                wide_bytes_per_token: float | None) -> float:
-    """Estimated tokens of ``size`` bytes of text, ``wide`` of them non-ASCII (no rounding)."""
-    if wide_bytes_per_token is None or not wide:
-        return size / bytes_per_token
-    return (size - wide) / bytes_per_token + wide / wide_bytes_per_token
+def dense_bytes(data: bytes) -> int:
+    """Bytes of ``data`` that are ASCII digits or punctuation."""
+    return len(data) - len(data.translate(None, _DENSE_BYTES))
 
 
-def _prompt_tokens(size: int, wide: int, bytes_per_token: float,
-                   wide_bytes_per_token: float | None) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Ratios:
+    """UTF-8 bytes per token of a model's tokenizer: ``ascii`` of ASCII letters and
+    whitespace (prose), ``wide`` of non-ASCII characters, ``dense`` of ASCII digits and
+    punctuation (None: ``ascii`` stands for it). Measured by ``gateway.fleet`` on a worker's
+    ``/tokenize``."""
+
+    ascii: float
+    wide: float | None = None
+    dense: float | None = None
+
+    def tokens(self, data: bytes, extra: int = 0) -> float:
+        """Estimated tokens of the text ``data`` plus ``extra`` bytes of prose (no rounding)."""
+        return self.tokens_of(len(data) + extra,
+                              wide_bytes(data) if self.wide is not None else 0,
+                              dense_bytes(data) if self.dense is not None else 0)
+
+    def tokens_of(self, size: int, wide: int = 0, dense: int = 0) -> float:
+        """Estimated tokens of ``size`` bytes of text, ``wide`` of them non-ASCII and
+        ``dense`` ASCII digits or punctuation (no rounding)."""
+        t = (size - wide - dense) / self.ascii
+        t += wide / (self.wide or self.ascii)
+        return t + dense / (self.dense or self.ascii)
+
+
+def _prompt_tokens(size: int, data: bytes, ratios: Ratios) -> tuple[int, int]:
     """(estimated tokens, tokens for the up-front refusal) of ``prompt_head_and_size``'s size
-    (bytes, ``wide`` of them non-ASCII, or tokens when negative)."""
+    (bytes of the text ``data``, or tokens when negative)."""
     if size < 0:
         return -size, -size
-    t = text_tokens(size, wide, bytes_per_token, wide_bytes_per_token)
+    t = ratios.tokens(data, size - len(data))
     return math.ceil(t), math.floor(t / REFUSE_SAFETY)
 
 
 def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
              unknown_num_predict: int, n_ctx: int = 0,
              counted_tokens: int | None = None,
-             wide_bytes_per_token: float | None = None) -> SizeEstimate:
+             wide_bytes_per_token: float | None = None,
+             dense_bytes_per_token: float | None = None) -> SizeEstimate:
     """Size estimate of one upstream request body. ``bytes_per_token``: UTF-8 bytes per token
-    of ASCII text, ``wide_bytes_per_token`` of non-ASCII text (None: the same). ``n_predict`` / ``max_tokens`` /
+    of ASCII prose, ``wide_bytes_per_token`` of non-ASCII text, ``dense_bytes_per_token`` of
+    ASCII digits and punctuation (None: ``bytes_per_token``; ``Ratios``). ``n_predict`` / ``max_tokens`` /
     ``max_completion_tokens`` give the generation budget; when absent or < 0,
     ``unknown_num_predict`` tokens are assumed (capped by ``n_ctx`` if known).
     ``counted_tokens``: the prompt's tokens as a worker's tokenizer counted them (the prompt
@@ -231,6 +259,7 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
     own (other kinds count 0 tokens: the worker still refuses one too long); the estimate
     combines them as :class:`SizeEstimate` says, with no prefix key (one prompt in a list is
     sized and keyed as that prompt)."""
+    ratios = Ratios(bytes_per_token, wide_bytes_per_token, dense_bytes_per_token)
     several = prompts_of(body)
     if several is not None and len(several) == 1:
         body, several = {**body, "prompt": several[0]}, None
@@ -241,16 +270,14 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
         sizes = []
         for p in several:
             head, size = prompt_head_and_size({"prompt": p})
-            sizes.append(_prompt_tokens(size, wide_bytes(head) if size > 0 else 0,
-                                        bytes_per_token, wide_bytes_per_token))
+            sizes.append(_prompt_tokens(size, head, ratios))
         kv = [min(t + gen, n_ctx) if n_ctx else t + gen for t, _ in sizes]
         return SizeEstimate(prompt_tokens=max(r for _, r in sizes),
                             est_tokens=math.ceil(sum(kv) / len(kv)), prefix_key=None,
                             prefill_tokens=sum(t for t, _ in sizes),
                             slots=len(several) * choices(body), prompts=len(several))
     flat, size = prompt_head_and_size(body)
-    prompt, refuse = _prompt_tokens(size, wide_bytes(flat) if size > 0 else 0,
-                                    bytes_per_token, wide_bytes_per_token)
+    prompt, refuse = _prompt_tokens(size, flat, ratios)
     if counted_tokens is not None:
         prompt = refuse = counted_tokens
     est = prompt + gen
@@ -259,6 +286,6 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
     key = None
     if flat:
         key = int.from_bytes(hashlib.blake2b(flat[:prefix_bytes], digest_size=8).digest(), "big")
-    chain = prefix_chain(_chain_parts(body, bytes_per_token, prefix_bytes, wide_bytes_per_token))
+    chain = prefix_chain(_chain_parts(body, ratios, prefix_bytes))
     return SizeEstimate(prompt_tokens=refuse, est_tokens=est, prefix_key=key, prefix_chain=chain,
                         prefill_tokens=prompt, slots=choices(body))

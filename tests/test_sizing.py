@@ -36,6 +36,24 @@ def test_non_ascii_bytes_have_their_own_ratio():
     assert e.prefill_tokens == 307 and e.prefix_chain[-1][1] == e.prefill_tokens
 
 
+def test_digits_and_punctuation_have_their_own_ratio():
+    """Numbers and code symbols tokenize at about a byte a token, half the prose ratio or less:
+    their bytes are estimated with the ratio measured on such text (tester U: at the prose
+    ratio several such prompts overflowed a ``--kv-unified`` worker's shared cache)."""
+    digits = "3.14159265;" * 30  # 330 bytes, all digits and punctuation
+    e = est({"prompt": digits, "n_predict": 0}, dense_bytes_per_token=1.0)
+    assert (e.prefill_tokens, e.est_tokens, e.prompt_tokens) == (330, 330, int(330 / REFUSE_SAFETY))
+    assert est({"prompt": digits, "n_predict": 0}).prefill_tokens == 165  # unmeasured: prose's
+    # letters and spaces keep the prose ratio, non-ASCII text its own
+    e = est({"prompt": "ab " * 20 + digits + "问题", "n_predict": 0}, dense_bytes_per_token=1.0,
+            wide_bytes_per_token=0.5)
+    assert e.prefill_tokens == 30 + 330 + 12
+    e = est({"messages": [{"role": "user", "content": digits}], "max_tokens": 0},
+            dense_bytes_per_token=1.0)
+    # "user", a separator and 8 bytes of template: 13 bytes at 2 a token
+    assert e.prefill_tokens == 337 and e.prefix_chain[-1][1] == e.prefill_tokens
+
+
 def test_token_list_prompt_is_exact():
     e = est({"prompt": list(range(300)), "max_tokens": 10})
     assert e.prompt_tokens == 300 and e.est_tokens == 310 and e.prefill_tokens == 300

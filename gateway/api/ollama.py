@@ -27,6 +27,7 @@ from aiohttp import web
 from gateway import __version__
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api import worker_ints
+from gateway.api.answer_again import answer_again
 from gateway.api.capabilities import model_capabilities, model_template, require
 from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling, optional,
                                 read_json, start_stream, t0_ns, visible_entries,
@@ -353,7 +354,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
             failure = e
             st.error, st.error_status = upstream_error_text(e)
         if tries == 1 and out is None and failure is not None \
-                and _answer_again(gw, ticket, failure, request):
+                and answer_again(gw, ticket, failure, request):
             split, echoed = (copy.deepcopy(first_split) if first_split else None), first_echo
             continue
         break
@@ -379,31 +380,6 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
         out = await prepare_ndjson(request)
     await out.write_eof(orjson.dumps(obj) + b"\n")  # last line and end of stream in one write
     return out
-
-
-#: Upstream failures after a worker began an answer that a request nothing was written for
-#: yet is sent again for, once: its worker went down (crash, wedge, a restart whose drain ran
-#: out) or its connection broke mid-answer.
-ANSWER_AGAIN_KINDS = ("worker_down", "stream_broken")
-
-
-def _answer_again(gw, ticket, failure: UpstreamError, request: web.Request) -> bool:
-    """Whether a request whose answer broke off before anything reached its client (a
-    non-streamed one, or a stream before its first line) is run again, on another worker of
-    its model that is in rotation: the client got a 502 although another worker was idle (a
-    fresh tester's find). Only once (a request that crashes workers then takes down two, as
-    the retry rule of ``Upstream.request`` allows), never on the same worker, and not while
-    the gateway stops. Logs ``upstream.answer_again``."""
-    wid = request.get("worker")
-    if failure.kind not in ANSWER_AGAIN_KINDS or wid is None or gw.admission.shutting_down:
-        return False
-    if not any(w.model == ticket.model and w.id != wid and w.id not in ticket.avoid
-               and w.in_rotation for w in gw.dispatcher.workers.values()):
-        return False
-    ticket.avoid = ticket.avoid | {wid}
-    log.warning("upstream.answer_again", request_id=ticket.request_id, worker=wid,
-                reason=failure.message)
-    return True
 
 
 def _unecho(content: str, echoed: str) -> tuple[str, str]:

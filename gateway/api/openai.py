@@ -25,6 +25,7 @@ from gateway.scheduling import ModelRemoved
 from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling,
                                 read_json, start_stream, visible_names)
 from gateway.api import openai_checks, openai_structured, worker_ints
+from gateway.api.answer_again import answer_again
 from gateway.api.capabilities import model_capabilities
 from gateway.api.errors import (admission_error, model_not_found_v1, openai_error,
                                 openai_error_body, resolve_v1_model, upstream_headers)
@@ -82,49 +83,66 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         spread_empty_prompts(body)                      # n's own limit still checked
     out: web.StreamResponse | None = None
     started: list[web.StreamResponse] = []  # the client's stream, once its first event is out
-    try:
-        async with gw.upstream.request(ticket, path, body) as (lease, resp):
-            note_lease(request, lease)
+    for tries in (1, 2):
+        if tries == 2:  # the answer again (answer_again): its folding state afresh
             if fold is not None:
-                answer = await _fold_stream(request, resp, fold, convert)
-                if legacy is not None:
-                    legacy.answer(answer)
-                answer["model"] = asked
-                note_usage(request, answer["usage"])
-                return web.Response(body=orjson.dumps(answer), content_type="application/json")
-            if not stream:
-                data = await read_all(resp)
-                note_openai_usage(request, data)
-                if rename is not None:
-                    data = data.replace(*rename)
-                return web.Response(body=data, content_type="application/json")
-            if not resp.progress:
-                # A short prompt: its stream starts with the worker's headers, as before its
-                # first token (0.08-0.12 ms of TTFT on the 2-core development machine, README
-                # "Same-run comparisons"); a long one with its first event (_relay_stream).
-                started.append(await start_stream(request, "text/event-stream"))
-            await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt),
-                                legacy.events if legacy is not None else convert,
-                                chat=per_prompt if required == "messages" and convert is None
-                                else 0, rename=rename)
-            out = started[0]
-    except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
-        # a model a reload removed while this waited: OpenAI's own words, as for a request
-        # that names it afterwards, and the name as asked (a fresh tester's find)
-        err = model_not_found_v1(asked) if isinstance(e, ModelRemoved) else \
-            admission_error(e, gw.config.queue.retry_after_s)
-        return openai_error(err.status, err.message, err.headers, code=err.code, type=err.type)
-    except UpstreamError as e:
-        out = started[0] if started else None
-        status = 400 if e.kind == "exceed_context_size_error" else (
-            e.status if 400 <= e.status < 500 or e.status in (502, 503, 504) else 500)
-        note_upstream_error(request, e.message, out is not None, e)
-        if out is None:
-            return openai_error(status, e.message,
-                                upstream_headers(status, gw.config.queue.retry_after_s))
-        await out.write(_sse(openai_error_body(status, e.message)))
+                fold = OpenAIFold(chat=required == "messages", per_prompt=per_prompt)
+            if convert is not None:
+                convert = openai_structured.ChatChunks()
+            if legacy is not None:
+                legacy = LegacyCompletions(legacy.top)
+        try:
+            async with gw.upstream.request(ticket, path, body) as (lease, resp):
+                note_lease(request, lease)
+                if fold is not None:
+                    answer = await _fold_stream(request, resp, fold, convert)
+                    if legacy is not None:
+                        legacy.answer(answer)
+                    answer["model"] = asked
+                    note_usage(request, answer["usage"])
+                    return web.Response(body=orjson.dumps(answer), content_type="application/json")
+                if not stream:
+                    data = await read_all(resp)
+                    note_openai_usage(request, data)
+                    if rename is not None:
+                        data = data.replace(*rename)
+                    return web.Response(body=data, content_type="application/json")
+                if not resp.progress and not started:
+                    # A short prompt: its stream starts with the worker's headers, as before its
+                    # first token (0.08-0.12 ms of TTFT on the 2-core development machine, README
+                    # "Same-run comparisons"); a long one with its first event (_relay_stream).
+                    started.append(await start_stream(request, "text/event-stream"))
+                await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt),
+                                    legacy.events if legacy is not None else convert,
+                                    chat=per_prompt if required == "messages" and convert is None
+                                    else 0, rename=rename)
+                out = started[0]
+        except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
+            # a model a reload removed while this waited: OpenAI's own words, as for a request
+            # that names it afterwards, and the name as asked (a fresh tester's find)
+            err = model_not_found_v1(asked) if isinstance(e, ModelRemoved) else \
+                admission_error(e, gw.config.queue.retry_after_s)
+            return openai_error(err.status, err.message, err.headers, code=err.code, type=err.type)
+        except UpstreamError as e:
+            # nothing of the answer out yet (a stream's headers at most): once more elsewhere
+            if tries == 1 and not request.get(_EVENTS_OUT) and answer_again(gw, ticket, e, request):
+                continue
+            out = started[0] if started else None
+            status = 400 if e.kind == "exceed_context_size_error" else (
+                e.status if 400 <= e.status < 500 or e.status in (502, 503, 504) else 500)
+            note_upstream_error(request, e.message, out is not None, e)
+            if out is None:
+                return openai_error(status, e.message,
+                                    upstream_headers(status, gw.config.queue.retry_after_s))
+            await out.write(_sse(openai_error_body(status, e.message)))
+        break
     await out.write_eof()
     return out
+
+
+#: Request key set once an event of the answer was written to the client's stream: from then
+#: on a broken answer is not run again.
+_EVENTS_OUT = "v1_events_out"
 
 
 async def _chat_route(gw, entry, body: dict, path: str):
@@ -279,6 +297,7 @@ async def _relay_stream(request: web.Request, resp, started: list,
     async def write(data: bytes) -> None:
         if not started:
             started.append(await start_stream(request, "text/event-stream"))
+        request[_EVENTS_OUT] = True
         await started[0].write(data.replace(*rename) if rename is not None else data)
 
     async for batch in iter_sse_batches(resp):

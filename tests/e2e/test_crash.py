@@ -183,6 +183,21 @@ def test_a_worker_killed_while_it_computes_a_prompt_is_retried_elsewhere(tmp_pat
     assert [e["worker"] for e in retries] == [busy["id"]], retries
 
 
+def _killed_mid_answer(gw, path: str, body: dict):
+    """POST ``body`` to ``path`` and SIGKILL its worker 0.5 s into the answer; returns (the
+    response, the killed worker's row, the gateway's log events, its upstream.answer_again
+    events)."""
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(httpx.post, gw.url + path, json=body, timeout=120)
+        victim = wait_for(lambda: next((w for w in gw.workers() if w["busy"] == 1), None), 30,
+                          "the request on a worker")
+        time.sleep(0.5)  # well into its answer
+        os.kill(victim["pid"], signal.SIGKILL)
+        r = fut.result(timeout=120)
+    events = [json.loads(ln) for ln in gw.log_path.read_text().splitlines() if ln.startswith("{")]
+    return r, victim, events, [e for e in events if e["event"] == "upstream.answer_again"]
+
+
 @pytest.mark.parametrize("workers", [2, 1])
 def test_a_non_streamed_answer_cut_by_a_crash_is_answered_by_another_worker(
         gateway_factory, workers):
@@ -195,15 +210,7 @@ def test_a_non_streamed_answer_cut_by_a_crash_is_answered_by_another_worker(
     gw = gateway_factory(cfg)
     body = {"model": "demo", "prompt": "a", "raw": True, "stream": False,
             "options": {"num_predict": 3000, "temperature": 0}}
-    with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(httpx.post, gw.url + "/api/generate", json=body, timeout=120)
-        victim = wait_for(lambda: next((w for w in gw.workers() if w["busy"] == 1), None), 30,
-                          "the request on a worker")
-        time.sleep(0.5)  # well into its answer
-        os.kill(victim["pid"], signal.SIGKILL)
-        r = fut.result(timeout=120)
-    events = [json.loads(ln) for ln in gw.log_path.read_text().splitlines() if ln.startswith("{")]
-    again = [e for e in events if e["event"] == "upstream.answer_again"]
+    r, victim, events, again = _killed_mid_answer(gw, "/api/generate", body)
     if workers == 1:
         assert r.status_code == 502 and again == [], r.text
         return
@@ -212,3 +219,32 @@ def test_a_non_streamed_answer_cut_by_a_crash_is_answered_by_another_worker(
     assert [e["worker"] for e in again] == [victim["id"]], again
     (done,) = [e for e in events if e["event"] == "request.done" and e.get("path") == "/api/generate"]
     assert done["worker"] != victim["id"] and not done.get("cut"), done
+
+
+@pytest.mark.parametrize("path,stream", [("/v1/chat/completions", False),
+                                         ("/v1/completions", False),
+                                         ("/v1/chat/completions", True)])
+def test_a_v1_answer_cut_by_a_crash_runs_again_unless_events_were_out(gateway_factory, path,
+                                                                      stream):
+    """A non-streamed ``/v1`` request whose worker was SIGKILLed mid-answer got 502 while the
+    Ollama routes ran it again on the idle worker (a fresh tester's find): it now runs again,
+    once, on the other worker and is answered in full. A stream whose events were already out
+    cannot be: it ends with an OpenAI error event, and nothing runs again."""
+    cfg = base_config(free_port(), llama_server={"threads": 1, "restart_backoff_initial_s": 12})
+    cfg["models"][0].update(cpu=2, slots=1, context=8192)
+    gw = gateway_factory(cfg)
+    body = {"model": "demo", "max_tokens": 3000, "temperature": 0, "stream": stream}
+    body.update({"messages": [{"role": "user", "content": "a"}]} if "chat" in path
+                else {"prompt": "a"})
+    r, victim, events, again = _killed_mid_answer(gw, path, body)
+    (done,) = [e for e in events if e["event"] == "request.done" and e.get("path") == path]
+    assert r.status_code == 200, r.text[-300:]
+    if stream:
+        last = json.loads([ln for ln in r.text.splitlines() if ln.startswith("data: {")][-1][6:])
+        assert "error" in last and again == [] and done["worker"] == victim["id"], (last, again)
+        return
+    answer = r.json()
+    assert (answer["usage"]["completion_tokens"], answer["choices"][0]["finish_reason"]) \
+        == (3000, "length"), answer["usage"]
+    assert [e["worker"] for e in again] == [victim["id"]], again
+    assert done["worker"] != victim["id"], done

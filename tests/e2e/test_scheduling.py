@@ -523,10 +523,13 @@ def test_prompt_that_cannot_fit_is_refused_up_front(gateway_factory):
 
 # 120 CJK characters, 360 UTF-8 bytes: about 360 tokens of the demo's byte-level vocabulary
 CJK_PROMPT = "请清楚而简洁地回答用户的问题并在有帮助时逐步解释你的推理" * 4
+# 360 bytes of digits, punctuation and spaces: about 360 tokens of the demo's vocabulary too
+DIGITS_PROMPT = "3.14159265358979, 2.71828182845904; " * 10
 
 
-@pytest.mark.parametrize("prompt,num_predict,most", [("hi", 400, 2), (CJK_PROMPT, 300, 1)],
-                         ids=["ascii", "cjk"])
+@pytest.mark.parametrize("prompt,num_predict,most", [("hi", 400, 2), (CJK_PROMPT, 300, 1),
+                                                     (DIGITS_PROMPT, 300, 1)],
+                         ids=["ascii", "cjk", "digits"])
 def test_kv_headroom_routing_unified_cache(gateway_factory, prompt, num_predict, most):
     """Field case 3: one worker, -np 4 sharing a unified KV cache of 1024 tokens; four requests
     of ~400 tokens each. Straight to the worker all four fail ("Context size has been
@@ -534,7 +537,8 @@ def test_kv_headroom_routing_unified_cache(gateway_factory, prompt, num_predict,
     and all four complete. With CJK prompts of ~360 tokens (+ 300) at most one fits: the
     gateway's bytes-per-token ratio measured on English (1.9) took them for ~190 tokens and
     ran two together, and llama-server failed both (tester S: 503, 200, 200, 503); non-ASCII
-    bytes now have the ratio measured on such text."""
+    bytes now have the ratio measured on such text, and so do digits and punctuation
+    (tester U: the same overflow with prompts of numbers)."""
     cfg = base_config(free_port())
     cfg["models"][0].update(slots=4, context=256, cpu=1, args=["--kv-unified"])
     gw = gateway_factory(cfg)
