@@ -481,21 +481,34 @@ GATEWAY_FLAGS = frozenset({
 
 def _v_worker_args(v: object) -> list[str]:
     """``args`` / ``extra_args``: a list of strings (see ``_v_str_list``) without any of
-    :data:`GATEWAY_FLAGS` (also as ``--flag=value``)."""
+    :data:`GATEWAY_FLAGS` (also as ``--flag=value``), with whole numbers after ``-np`` / ``-c``,
+    and without ``--flag=value`` items, which llama-server refuses."""
     out = _v_str_list(v)
     errs = [((i,), f"{a.split('=', 1)[0]} is set by the gateway on every worker (it picks the "
                    f"host, port, API key, model and alias, and reads /slots over plain HTTP "
                    f"at the root path); remove it")
             for i, a in enumerate(out) if a.split("=", 1)[0] in GATEWAY_FLAGS]
+    # llama-server's parser takes no --flag=value (common/arg.cpp looks the whole item up:
+    # "invalid argument: --parallel=3", and the worker never started while check-config read
+    # the 3; a fresh tester's find)
+    joined = {i for i, a in enumerate(out) if _JOINED_FLAG.match(a)
+              and a.split("=", 1)[0] not in GATEWAY_FLAGS}
+    for i in sorted(joined):
+        flag, _, value = out[i].partition("=")
+        errs.append(((i,), f"llama-server takes a flag and its value as two items: "
+                           f"{flag!r}, {value!r} (it refuses {out[i]!r} as an invalid argument)"))
     # -np / -c shape the worker plan (slots, context per slot): a value that is not a whole
     # number passed check-config and left the worker unable to start (a fresh tester's find)
     for i, v in flag_values(out, SLOT_FLAGS + CTX_FLAGS):
-        if v is None or not re.fullmatch(r"-?\d+", v):
+        if i not in joined and (v is None or not re.fullmatch(r"-?\d+", v)):
             errs.append(((i,), f"{out[i].partition('=')[0]} takes a whole number, got {_got(v)}"))
     if errs:
         raise _Invalid(*errs)
     return out
 
+
+#: A ``--flag=value`` (or ``-f=value``) item of ``args``, which llama-server refuses.
+_JOINED_FLAG = re.compile(r"--?[A-Za-z][A-Za-z0-9_-]*=")
 
 #: llama-server flags in ``args`` that change the worker plan (read back from ``/slots``):
 #: its slots and its total context.

@@ -55,7 +55,8 @@ def test_api_key_missing_name_or_digest_says_what_it_is():
 def test_settings_that_cannot_apply_are_errors_not_ignored():
     """``slots_per_gpu`` on a model of CPU workers was ignored without a word, and a ``-np`` /
     ``-c`` in ``args`` that is not a whole number passed check-config, then no worker could
-    start (a fresh tester's finds). Whole numbers, as ``-np 2`` or ``-c=1000``, still pass."""
+    start (a fresh tester's finds). So did ``--parallel=3``, which llama-server refuses as an
+    invalid argument while check-config read the 3. Whole numbers, as ``-np 2``, still pass."""
     with pytest.raises(ConfigError) as e:
         parse_config({"models": [
             {"name": "a", "path": "builtin:demo", "cpu": 1, "slots_per_gpu": {0: 8}},
@@ -65,12 +66,21 @@ def test_settings_that_cannot_apply_are_errors_not_ignored():
     assert "models[0].slots_per_gpu: applies to GPU workers, but this model runs 1 CPU " \
            "worker(s) (cpu: 1); set their slots with slots" in text
     assert 'models[1].args[0]: -np takes a whole number, got "abc"' in text
-    assert 'models[1].args[2]: -c takes a whole number, got "12x"' in text
+    assert "models[1].args[2]: llama-server takes a flag and its value as two items: '-c', " \
+           "'12x' (it refuses '-c=12x' as an invalid argument)" in text
     assert "models[1].args[3]: --parallel takes a whole number, got null" in text
     with pytest.raises(ConfigError) as e:
         parse_config({"models": M, "llama_server": {"extra_args": ["--ctx-size", "big"]}})
     assert 'llama_server.extra_args[0]: --ctx-size takes a whole number, got "big"' in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parse_config({"models": M, "llama_server": {"extra_args": ["--parallel=3", "-fa", "on",
+                                                                   "--override-kv",
+                                                                   "a.b=int:1"]}})
+    assert str(e.value).splitlines() == [
+        "<config>: llama_server.extra_args[0]: llama-server takes a flag and its value as two items: "
+        "'--parallel', '3' (it refuses '--parallel=3' as an invalid argument)"]
     ok = parse_config({"models": [{"name": "c", "path": "builtin:demo", "cpu": 1,
-                                   "args": ["-np", "2", "-c=1000"]},
+                                   "args": ["-np", "2", "-c", "1000", "--override-kv",
+                                            "tokenizer.ggml.add_bos_token=bool:false"]},
                                   {"name": "d", "path": "builtin:demo", "slots_per_gpu": {0: 8}}]})
-    assert ok.models[0].args == ["-np", "2", "-c=1000"] and ok.models[1].slots_per_gpu == {0: 8}
+    assert ok.models[0].args[:4] == ["-np", "2", "-c", "1000"] and ok.models[1].slots_per_gpu == {0: 8}
