@@ -87,28 +87,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _args_override(args: list[str], slots: int, context: int) -> tuple[int, int, str]:
-    """(slots, context per slot, a note) of a worker whose llama-server ``args`` may hold their
-    own ``-np`` / ``-c`` (llama-server takes the last of each; the running gateway reads the
-    result back from ``/slots``): check-config printed the plan's values instead (a fresh
-    tester's find). The note says which flags changed them."""
-    from gateway.config import CTX_FLAGS, SLOT_FLAGS, flag_values
-
-    def last(names: tuple[str, ...]) -> int | None:
-        values = [int(v) for _, v in flag_values(args, names) if v and v.isdigit()]
-        return values[-1] if values else None
-    np_, c = last(SLOT_FLAGS), last(CTX_FLAGS)
-    unified = [a for a in args if a in ("-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified")]
-    unified_on = bool(unified) and unified[-1] in ("-kvu", "--kv-unified")
-    if np_ is None and c is None and not unified_on:
-        return slots, context, ""
-    n = np_ or slots
-    total = c if c is not None else slots * context
-    if unified_on:  # one KV buffer for all slots: llama-server gives each slot all of -c
-        return n, total, " (--kv-unified in args: every slot may use the whole -c)"
-    return n, total // max(n, 1), " (set by -np/-c in args)"
-
-
 def _why(e: OSError) -> str:
     """Why a file could not be written, in words: ``mkdir(parents=True, exist_ok=True)`` of a
     parent that is a regular file raises FileExistsError ("File exists"), which says it wrong."""
@@ -277,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if verb == "check-config":
             from gateway.config import models_without_workers, plan_workers
             from workers.gpu import detect_gpus
-            from gateway.inventory import slot_context
+            from gateway.slot_plan import args_override, slot_context
             problems, trained = _check_files(cfg)
             if problems:
                 sys.stderr.write(f"llama-gateway: invalid config\n{ConfigError(problems, cfg.source)}\n")
@@ -290,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             for w in plans:
                 mcfg = cfg.find_model(w.model)
-                slots, per_slot, note = _args_override(
+                slots, per_slot, note = args_override(
                     list(cfg.llama_server.extra_args) + list(mcfg.args if mcfg else ()),
                     w.slots, w.context)
                 ctx = slot_context(per_slot, trained.get(w.model, 0))

@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from gateway.admission import Admission
-from gateway.config import (CTX_FLAGS, SLOT_FLAGS, GatewayConfig, WorkerPlan, fingerprint,
-                            flag_values)
-from gateway.inventory import slot_context
+from gateway.config import GatewayConfig, WorkerPlan, fingerprint
 from gateway.logs import get_logger
 from gateway.prompt_cache import kv_bytes_from_gguf, worker_cache_tokens
 from gateway.scheduling import make_scorer
 from gateway.scheduling.scorer import keep_prefix_index
 from gateway.scheduling.slot_leaks import SlotLeak, SlotLeakWatch
+from gateway.slot_plan import launch_slots
 from gateway.sizing import Ratios, SizeEstimate, dense_bytes, estimate, wide_bytes
 from gateway.speed import SpeedBoard
 from gateway.upstream import Endpoint
@@ -188,18 +187,14 @@ class Fleet:
         if launch is None:
             mcfg = next(m for m in self.config.models if m.full_name == plan.model)
             args = list(ls.extra_args) + _model_args(mcfg)
-            # llama-server caps each slot at the trained context but allocates the KV cache
-            # for all of -c: a context above it only cost memory (27 MB against 95 MB for
-            # the demo; VRAM on a GPU; a fresh tester's find). Not when the args set -np or
-            # -c themselves: the worker's slots then split another -c
-            ctx = plan.context if flag_values(args, SLOT_FLAGS + CTX_FLAGS) else \
-                slot_context(plan.context, facts.context_length if facts else 0)
-            if ctx < plan.context:
-                log.warning("worker.context_capped", worker=plan.id, configured=plan.context,
+            slots, ctx, configured = launch_slots(args, plan.slots, plan.context,
+                                                  facts.context_length if facts else 0)
+            if ctx < configured:
+                log.warning("worker.context_capped", worker=plan.id, configured=configured,
                             trained=ctx)
             spec = LaunchSpec(worker_id=plan.id, binary=self.binary,
                               model_path=self.model_paths[plan.model], alias=plan.model,
-                              gpus=plan.gpus, slots=plan.slots, context_per_slot=ctx,
+                              gpus=plan.gpus, slots=slots, context_per_slot=ctx,
                               threads=threads if plan.is_cpu else None,
                               embeddings=mcfg.embeddings, extra_args=args,
                               log_verbosity=None if self.config.log.level == "debug"
@@ -217,7 +212,7 @@ class Fleet:
         self.slot_watches[plan.id] = SlotLeakWatch(self.admission.dispatcher.clock)
         kv_bytes = kv_bytes_from_gguf(facts.kv, facts.architecture, args) if facts else 0
         self.admission.dispatcher.add_worker(  # -c as started (the trained context's cap)
-            plan.id, plan.model, plan.slots, n_ctx=spec.context_per_slot,
+            plan.id, plan.model, spec.slots, n_ctx=spec.context_per_slot,
             kv_capacity=spec.total_context,
             cache_tokens=worker_cache_tokens(spec.total_context, args, kv_bytes))
         sc = self.config.scheduler

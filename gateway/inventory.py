@@ -147,15 +147,6 @@ class GGUFFacts:
         return int(self.kv.get(f"{self.architecture}.context_length") or 0)
 
 
-def slot_context(configured: int, trained: int) -> int:
-    """Per-slot context (tokens) a llama-server worker really gets for ``configured`` tokens per
-    slot: capped at the model's trained context ``trained`` (0 = unknown: not capped), as the
-    pinned llama-server does (``n_ctx_slot``: min(per-sequence context, n_ctx_train),
-    tools/server/server-context.cpp; it logs "the slot context (N) exceeds the training context
-    of the model (M) - capping"). Its rounding of ``-c`` to multiples of 256 is not applied."""
-    return min(configured, trained) if trained > 0 else configured
-
-
 # GGUF keys naming FIM tokens (llama.cpp llama-vocab.cpp LLM_KV_TOKENIZER_FIM_*_ID) and the
 # token texts llama.cpp recognises as FIM prefix/suffix/middle when those keys are absent.
 _FIM_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id")

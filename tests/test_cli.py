@@ -296,7 +296,7 @@ def test_check_config_shows_np_and_c_from_args(tmp_path):
     cfg = tmp_path / "g.yaml"
     cfg.write_text("listen: 127.0.0.1:0\nmodels:\n"
                    "  - {name: npo, path: builtin:demo, cpu: 1, slots: 3, context: 1024, args: [-np, 1]}\n"
-                   "  - {name: c2, path: builtin:demo, cpu: 1, slots: 2, context: 512, args: [--ctx-size=2048]}\n"
+                   "  - {name: c2, path: builtin:demo, cpu: 1, slots: 2, context: 512, args: [--ctx-size, 2048]}\n"
                    "  - {name: plain, path: builtin:demo, cpu: 1, slots: 2, context: 1024}\n")
     r = run("check-config", "-c", str(cfg))
     assert r.returncode == 0, r.stderr

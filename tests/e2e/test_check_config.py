@@ -25,9 +25,9 @@ def test_check_config_context_matches_what_the_workers_report(tmp_path, gateway_
         # one KV buffer for all slots: each may use all of -c (check-config printed 256; a
         # fresh tester's find)
         model("uni", slots=4, context=256, args=["--kv-unified"]),
-        # -np in args splits the -c of the plan: the context is not capped before the start
-        # (2 × 8192 over 3 slots: 4,096 each, at the training context), where capping it first
-        # gave 2 × 4096 over 3, 2,816 each (a fresh tester's find)
+        # -np in args splits the plan's 2 × 8192 among 3 slots, 5,461 each, and each share is
+        # capped at the training context before the start (3 × 4,096; capping the plan's
+        # context first gave 2 × 4096 over 3, 2,816 each: a fresh tester's find)
         model("np3", slots=2, context=8192, args=["-np", "3"])])
     gw = gateway_factory(cfg)
     r = subprocess.run([sys.executable, "-m", "gateway", "check-config", "-c", str(gw.cfg_path)],
@@ -51,9 +51,14 @@ def test_check_config_context_matches_what_the_workers_report(tmp_path, gateway_
     argv = {e["worker"]: e["argv"].split() for e in _events(gw, "worker.spawned")}
     assert argv["short-cpu0"][argv["short-cpu0"].index("-c") + 1] == str(2 * 512)
     assert argv["demo-cpu0"][argv["demo-cpu0"].index("-c") + 1] == str(2 * 768)
+    # with -np 3 in args (and no -c) too: -c for 3 slots of 4,096, where 2 × 8192 left 27 % of
+    # the KV cache unused (a fresh tester's find); started as 3 slots, so no slots_mismatch
+    argv_np3 = argv["np3-cpu0"]
+    assert argv_np3[argv_np3.index("-c") + 1] == str(3 * 4096), argv_np3
+    assert not [e for e in _events(gw, "worker.slots_mismatch") if e["worker"] == "np3-cpu0"]
     capped = _events(gw, "worker.context_capped")
-    assert [(e["worker"], e["configured"], e["trained"]) for e in capped] == [
-        ("short-cpu0", 1024, 512)]
+    assert sorted((e["worker"], e["configured"], e["trained"]) for e in capped) == [
+        ("np3-cpu0", 5461, 4096), ("short-cpu0", 1024, 512)]
 
 
 def _events(gw, name: str) -> list[dict]:
