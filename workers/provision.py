@@ -7,7 +7,9 @@ Building (``build_llama_server``) needs no network beyond PyPI: the sdist of
 ``llama-cpp-python==LLAMA_CPP_PYTHON_VERSION`` carries the complete llama.cpp tree (commit
 ``LLAMA_CPP_COMMIT``) under ``vendor/llama.cpp``. The result, ``bin/llama-server`` plus the shared
 libraries beside it, is cached outside the checkout under
-``cache_root()/llama-server/<version>-<commit>-<backend>/bin/`` so later runs on the same machine reuse it.
+``cache_root()/llama-server/<version>-<commit>-<backend>-<cpu>/bin/`` so later runs on the same
+machine reuse it; ``<cpu>`` names the x86 instruction sets the build targets (``cpu_build_flags``),
+so a cache moved to a CPU without them is built again instead of crashing the workers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -64,12 +67,72 @@ def cache_root() -> Path:
 
 
 def _build_key(backend: str) -> str:
-    return f"{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_COMMIT}-{backend}"
+    flags = cpu_build_flags()
+    if flags is None:  # -march=native: the build machine's own CPU
+        return f"{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_COMMIT}-{backend}-native"
+    on = ",".join(sorted(name for name, enabled in flags.items() if enabled))
+    tag = hashlib.sha256(on.encode()).hexdigest()[:8]
+    return f"{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_COMMIT}-{backend}-x86-{tag}"
 
 
 def cached_binary_path(backend: str) -> Path:
-    """Where a binary built by ``build_llama_server(backend)`` lives, keyed by version and backend."""
+    """Where a binary built by ``build_llama_server(backend)`` lives, keyed by version, backend
+    and the CPU instruction sets it targets (``cpu_build_flags``)."""
     return cache_root() / "llama-server" / _build_key(backend) / "bin" / "llama-server"
+
+
+# ----------------------------------------------------------------------------------------- CPU ISA
+
+#: ggml's CMake options for x86 instruction sets (ggml/CMakeLists.txt, ggml-cpu/CMakeLists.txt of
+#: the pinned commit) and the /proc/cpuinfo flags each needs: all of them present turns it on.
+#: AMX (GGML_AMX_TILE/INT8/BF16) is never turned on: ggml's AMX kernels take q4_0, q4_1, q8_0
+#: and the k-quants, and with ``-march=native`` on a host whose CPU reports AMX a q4_0 model's
+#: llama-server died of SIGILL at its first batch while f32 and f16 models ran (CI's fresh-clone
+#: run of 2026-12-01, ``test_a_bigger_shape_runs_in_llama_server[q4_0]``, a Firecracker guest).
+X86_ISA_OPTIONS: dict[str, tuple[str, ...]] = {
+    "GGML_SSE42": ("sse4_2",),
+    "GGML_AVX": ("avx",),
+    "GGML_AVX2": ("avx2",),
+    "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_BMI2": ("bmi2",),
+    "GGML_FMA": ("fma",),
+    "GGML_F16C": ("f16c",),
+    "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "GGML_AVX512_VBMI": ("avx512vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",),
+    "GGML_AMX_TILE": (),
+    "GGML_AMX_INT8": (),
+    "GGML_AMX_BF16": (),
+}
+
+
+def _cpuinfo_flags(text: str) -> set[str] | None:
+    """The ``flags`` of the first processor in a /proc/cpuinfo text (None when it has none)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return None
+
+
+def cpu_build_flags(cpuinfo: str | None = None) -> dict[str, bool] | None:
+    """ggml's x86 ISA options (``X86_ISA_OPTIONS`` name -> on) for a build on this CPU, read off
+    ``cpuinfo`` (default: /proc/cpuinfo), with ``GGML_NATIVE=OFF``. Every option is given, on or
+    off (with NATIVE off, ggml's own defaults turn AVX2, FMA and others on). None where the
+    machine is not x86-64 or /proc/cpuinfo has no flags: the build is then ``-march=native``."""
+    if cpuinfo is None:
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            return None
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = _cpuinfo_flags(cpuinfo)
+    if flags is None:
+        return None
+    return {name: bool(needs) and all(f in flags for f in needs)
+            for name, needs in X86_ISA_OPTIONS.items()}
 
 
 # ------------------------------------------------------------------------------------------- backend
@@ -394,7 +457,6 @@ def _cmake_configure_args(source: Path, build: Path, backend: str) -> list[str]:
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_OPENSSL=OFF",
-        "-DGGML_NATIVE=ON",
         # The sdist carries no git metadata: name the pinned commit, or --version says "unknown".
         f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_COMMIT}",
         "-DLLAMA_BUILD_NUMBER=1",
@@ -402,6 +464,12 @@ def _cmake_configure_args(source: Path, build: Path, backend: str) -> list[str]:
         "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
         "-DCMAKE_BUILD_RPATH=$ORIGIN",
     ]
+    isa = cpu_build_flags()
+    if isa is None:
+        args.append("-DGGML_NATIVE=ON")
+    else:  # this CPU's instruction sets, named (never AMX: see X86_ISA_OPTIONS)
+        args.append("-DGGML_NATIVE=OFF")
+        args += [f"-D{name}={'ON' if on else 'OFF'}" for name, on in isa.items()]
     if backend == "cuda":
         nvcc = _find_nvcc()
         if nvcc is None:
@@ -449,7 +517,9 @@ def build_llama_server(backend: str | None = None, jobs: int | None = None) -> P
             shutil.rmtree(stale, ignore_errors=True)
         log_path = servers_dir / f"build-{key}.log"
         log_path.write_text("")
-        log.info("llama_server.build.start", backend=backend, jobs=jobs, log=str(log_path))
+        isa = cpu_build_flags()
+        log.info("llama_server.build.start", backend=backend, jobs=jobs, log=str(log_path),
+                 isa="native" if isa is None else " ".join(n for n, on in isa.items() if on))
         started = time.monotonic()
 
         src_dir = root / "src"

@@ -61,15 +61,69 @@ def test_cache_root_precedence(tmp_path, monkeypatch):
     assert cache_root() == tmp_path / "home" / ".cache" / "llama-gateway"
 
 
-def test_cached_binary_path_keyed_by_version_commit_backend(isolated):
+def test_cached_binary_path_keyed_by_version_commit_backend(isolated, monkeypatch):
+    monkeypatch.setattr(provision, "cpu_build_flags", lambda: None)  # a non-x86 machine
     cpu = cached_binary_path("cpu")
     cuda = cached_binary_path("cuda")
     assert cpu == (
         isolated / "cache" / "llama-server"
-        / f"{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_COMMIT}-cpu" / "bin" / "llama-server"
+        / f"{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_COMMIT}-cpu-native" / "bin" / "llama-server"
     )
     assert cpu != cuda
-    assert cuda.parent.parent.name == "0.3.36-0c1e570-cuda"
+    assert cuda.parent.parent.name == "0.3.36-0c1e570-cuda-native"
+
+
+_CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+flags\t\t: {flags}
+
+processor\t: 1
+flags\t\t: {flags}
+"""
+_ZEN2 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma bmi1 bmi2 avx2"
+_SAPPHIRE_RAPIDS = (_ZEN2 + " avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi avx512_vnni"
+                    " avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16")
+
+
+def test_cpu_build_flags_name_this_cpus_instruction_sets_and_never_amx():
+    """The x86 build names the instruction sets /proc/cpuinfo reports instead of
+    ``-march=native``, and leaves AMX out: with -march=native on a host reporting AMX, a q4_0
+    model's llama-server died of SIGILL (CI, 2026-12-01) while f32 and f16 ones ran."""
+    zen2 = provision.cpu_build_flags(_CPUINFO.format(vendor="AuthenticAMD", flags=_ZEN2))
+    assert {n for n, on in zen2.items() if on} == {
+        "GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C"}
+    spr = provision.cpu_build_flags(_CPUINFO.format(vendor="GenuineIntel", flags=_SAPPHIRE_RAPIDS))
+    assert spr["GGML_AVX512"] and spr["GGML_AVX512_VNNI"] and spr["GGML_AVX_VNNI"]
+    assert not any(spr[n] for n in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"))
+    # AVX-512 needs all five of its parts, as ggml's GGML_AVX512 turns on all five
+    partial = provision.cpu_build_flags(_CPUINFO.format(vendor="x", flags=_ZEN2 + " avx512f"))
+    assert not partial["GGML_AVX512"]
+    # every option is given: with GGML_NATIVE=OFF ggml's defaults turn AVX2, FMA, F16C on
+    old = provision.cpu_build_flags(_CPUINFO.format(vendor="x", flags="fpu sse sse2 sse4_2"))
+    assert set(old) == set(provision.X86_ISA_OPTIONS)
+    assert [n for n, on in old.items() if on] == ["GGML_SSE42"]
+    assert provision.cpu_build_flags("processor : 0\n") is None  # no flags line: native
+
+
+def test_configure_args_name_the_isa_and_the_cache_key_follows_it(isolated, monkeypatch):
+    """The CPU's instruction sets are part of the cache key: a cache moved to a CPU without
+    them (tester R: it crash-looped) is not found there and is built again."""
+    zen2 = provision.cpu_build_flags(_CPUINFO.format(vendor="AuthenticAMD", flags=_ZEN2))
+    spr = provision.cpu_build_flags(_CPUINFO.format(vendor="GenuineIntel", flags=_SAPPHIRE_RAPIDS))
+    monkeypatch.setattr(provision, "cpu_build_flags", lambda: spr)
+    args = provision._cmake_configure_args(Path("/src"), Path("/build"), "cpu")
+    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_NATIVE=ON" not in args
+    assert "-DGGML_AVX512=ON" in args and "-DGGML_AMX_INT8=OFF" in args
+    on_spr = make_fake_exe(cached_binary_path("cpu"))
+    assert find_llama_server(backend="cpu") == on_spr
+    monkeypatch.setattr(provision, "cpu_build_flags", lambda: zen2)
+    assert "-DGGML_AVX512=OFF" in provision._cmake_configure_args(
+        Path("/src"), Path("/build"), "cpu")
+    assert cached_binary_path("cpu") != on_spr
+    assert find_llama_server(backend="cpu") is None
+    monkeypatch.setattr(provision, "cpu_build_flags", lambda: None)
+    assert "-DGGML_NATIVE=ON" in provision._cmake_configure_args(
+        Path("/src"), Path("/build"), "cpu")
 
 
 # ------------------------------------------------------------------------------------ lookup order
@@ -249,7 +303,7 @@ def test_cuda_configure_args_use_present_architectures(isolated, monkeypatch):
     assert "-DCMAKE_CUDA_ARCHITECTURES=90" in args
     cpu_args = provision._cmake_configure_args(Path("/src"), Path("/build"), "cpu")
     assert "-DGGML_CUDA=ON" not in cpu_args
-    for flag in ("-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
+    for flag in ("-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF",
                  "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON"):
         assert flag in cpu_args
     with pytest.raises(ProvisionError):
