@@ -87,8 +87,11 @@ def cached_binary_path(backend: str) -> Path:
 #: the pinned commit) and the /proc/cpuinfo flags each needs: all of them present turns it on.
 #: AMX (GGML_AMX_TILE/INT8/BF16) is never turned on: ggml's AMX kernels take q4_0, q4_1, q8_0
 #: and the k-quants, and with ``-march=native`` on a host whose CPU reports AMX a q4_0 model's
-#: llama-server died of SIGILL at its first batch while f32 and f16 models ran (CI's fresh-clone
-#: run of 2026-12-01, ``test_a_bigger_shape_runs_in_llama_server[q4_0]``, a Firecracker guest).
+#: llama-server died of SIGILL while f32 and f16 models ran (CI's fresh-clone run of 2026-12-01,
+#: ``test_a_bigger_shape_runs_in_llama_server[q4_0]``, a Firecracker guest). Public reports show
+#: the same: "AMX is not ready to be used!" then "Illegal instruction" in a container
+#: (unslothai/unsloth#4535), and a SIGILL on a guest whose CPUID reports AMX that the hypervisor
+#: does not enable (ggml-org/llama.cpp#28756, #28328).
 X86_ISA_OPTIONS: dict[str, tuple[str, ...]] = {
     "GGML_SSE42": ("sse4_2",),
     "GGML_AVX": ("avx",),
