@@ -280,7 +280,8 @@ class Gateway:
         self.fleet.build(plans)
         self.upstream = Upstream(self.admission, self.fleet.endpoint_of, cfg,
                                  on_stall=self.fleet.note_stall,
-                                 on_progress=self.fleet.note_progress)
+                                 on_progress=self.fleet.note_progress,
+                                 on_answered_elsewhere=self.fleet.note_answered_elsewhere)
         self.fleet.upstream = self.upstream
         self.fleet.on_new_process = self._forget_props
         await self.upstream.start()

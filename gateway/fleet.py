@@ -462,6 +462,17 @@ class Fleet:
             view = self.admission.dispatcher.workers.get(worker_id)
             sup.note_stall(no_free_slot=view is not None and view.all_slots_taken)
 
+    def note_answered_elsewhere(self, worker_id: str) -> None:
+        """Upstream: a request this worker sent nothing within ``first_byte_s`` was answered
+        by another worker on its retry. Its stall check then also runs a one-token completion
+        (``WorkerSupervisor.note_silent``): a worker that accepts requests and never schedules
+        them, while its main loop and ``/slots`` answer and its slots look idle, passed the
+        check and kept every second request waiting ``first_byte_s`` (field case 10, "mark the
+        worker suspect"; a fresh tester's find)."""
+        sup = self.supervisors.get(worker_id)
+        if sup is not None:
+            sup.note_silent()
+
     def _on_check(self, sup: WorkerSupervisor, running: bool) -> None:
         """A stall check of the worker was asked for (True) or passed (False): while it
         runs, new work goes to the model's other workers (``Dispatcher.set_checking``)."""

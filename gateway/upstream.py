@@ -151,14 +151,18 @@ class Upstream:
             ``llama_server.spare_connections`` opens each worker's next connection ahead of
             time (``spares``; fixed for the client's life, gateway.reload ``RESTART_ONLY``).
         on_stall / on_progress: worker-id callbacks of the watchdog (liveness evidence).
+        on_answered_elsewhere: called with the id of a worker that sent a request nothing
+            within ``first_byte_s`` when another worker then answered that request's retry
+            (field case 10: evidence against the worker, not the request).
         attempts: tries for a request that got no response byte.
     """
 
     def __init__(self, admission: Admission, endpoint_of, config, *, on_stall=None,
-                 on_progress=None, attempts: int = 3):
+                 on_progress=None, on_answered_elsewhere=None, attempts: int = 3):
         self.admission = admission
         self.endpoint_of = endpoint_of
         self.attempts = attempts
+        self.on_answered_elsewhere = on_answered_elsewhere or (lambda worker_id: None)
         self.session: aiohttp.ClientSession | None = None
         self._held: set[asyncio.Task] = set()  # see _hold_until_done
         #: per worker id: the responses a request still waits on for their headers or, after
@@ -368,6 +372,7 @@ class Upstream:
         # No read timeout here: the watchdog times the body (first byte, gaps, deadline).
         last: UpstreamError | None = None
         went_down = False  # a worker of an earlier attempt went down while it computed this
+        silent_on: set[str] = set()  # workers an earlier attempt got no first byte from
         for attempt in range(self.attempts):
             # A free slot is taken at once; only a queued ticket needs the deadline's timer.
             try:
@@ -438,6 +443,8 @@ class Upstream:
                         raise err from None
             except UpstreamError as e:
                 e.worker = lease.worker.id
+                if e.kind == "first_byte_timeout":
+                    silent_on.add(lease.worker.id)
                 self._give_back(ticket.request_id, lease, resp, deadline, hold=False)
                 if e.kind == "connection" and resp is not None and not down_seen \
                         and await process_exited(ep):
@@ -459,6 +466,8 @@ class Upstream:
             except BaseException:
                 self._give_back(ticket.request_id, lease, resp, deadline, hold=not streamed)
                 raise
+            for silent in silent_on - {lease.worker.id}:  # this one answered what they did not
+                self.on_answered_elsewhere(silent)
             # The worker's first answer bytes (a streamed request's first token) end the
             # request's prefill: it leaves the worker's prefill backlog (scheduler cost).
             if resp.answered:

@@ -35,6 +35,17 @@ pinned llama-server (llama.cpp ``0c1e570``, ``tools/server/``):
    the others work (work moves): ``gateway.scheduling.slot_leaks`` finds that slot from the
    polled ``/slots`` and the gateway's leases, and the fleet restarts the worker.
 
+3. With ``completion`` (the worker sent a request nothing within ``first_byte_s`` and
+   another worker answered that request's retry: ``WorkerSupervisor.note_silent``), once
+   ``/slots`` shows an idle slot: ``POST /completion`` of one token (:data:`PROBE_BODY`),
+   which must be answered 200 within what is left of ``timeout_s``. A worker that accepts
+   requests and never schedules them (its main loop and ``/slots`` answer, its slots look
+   idle, the requests wait forever: field case 10, "accepted but never scheduled") passed
+   steps 1 and 2 and kept every second request waiting ``first_byte_s`` (a fresh tester's
+   find, with a wrapper in front of llama-server that held completions). The probe takes the
+   idle slot for one decode step (milliseconds on the demo model); with every slot busy and
+   moving the worker is working and no probe is sent.
+
 ``slots_work`` is the pure part of step 2; ``check_worker`` does the I/O.
 """
 
@@ -49,6 +60,10 @@ import aiohttp
 from workers.telemetry import parse_slot
 
 LORA_PATH = "/lora-adapters"
+
+#: The one-token completion of step 3 (llama-server ``/completion``: one token generated, no
+#: slot cache kept for it).
+PROBE_BODY = {"prompt": "ok", "n_predict": 1, "cache_prompt": False, "stream": False}
 
 
 def slots_work(slots: Any) -> frozenset | None:
@@ -70,8 +85,9 @@ def slots_work(slots: Any) -> frozenset | None:
 
 
 async def check_worker(http: aiohttp.ClientSession, url: str, headers: dict, timeout_s: float,
-                       poll_s: float = 0.1) -> str | None:
-    """Ask the worker at ``url`` whether it still works (module doc), within ``timeout_s`` s.
+                       poll_s: float = 0.1, completion: bool = False) -> str | None:
+    """Ask the worker at ``url`` whether it still works (module doc), within ``timeout_s`` s;
+    ``completion``: also step 3 when a slot is idle.
 
     Returns None when it does, else why not (one line, for the wedge reason and the log).
     Never raises for the worker's failures (timeouts, refused connections, bad bodies)."""
@@ -92,6 +108,14 @@ async def check_worker(http: aiohttp.ClientSession, url: str, headers: dict, tim
                     if r.status != 200:
                         return f"{asking} answered HTTP {r.status}"
                     work = slots_work(await r.json(content_type=None))
+                if work is None and completion:
+                    asking = "a one-token completion (POST /completion) while a slot was idle"
+                    async with http.post(url + "/completion", json=PROBE_BODY, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=None)) as r:
+                        await r.read()
+                        if r.status != 200:
+                            return f"{asking} answered HTTP {r.status}"
+                    return None
                 if work is None or (first is not None and work != first):
                     return None
                 if first is None:

@@ -17,7 +17,10 @@ token in between (``note_progress``), or a single one that held the worker's las
 worker itself (``workers.stall_check.check_worker``: its main loop answers and its slots are
 free or moving, within ``liveness_timeout_s``): a worker that fails is wedged; one that passes
 is kept, the stalls are taken as the requests' own (``worker.stall_not_wedged``) and the streak
-starts again from 0. Crash loop: ``crash_loop_restarts``
+starts again from 0. A request the worker sent nothing within ``first_byte_s`` that another
+worker then answered (``note_silent``: evidence against the worker, not the request) makes the
+check also run a one-token completion, which a worker that accepts requests and never
+schedules them does not answer (field case 10). Crash loop: ``crash_loop_restarts``
 restarts within ``crash_loop_window_s``, or as many starts in a row that ended without the
 worker getting ready (a worker that hangs while it loads takes ``startup_timeout_s``, 180 s,
 per try: no two of its restarts fell within the 120 s window, so it never counted as failing
@@ -107,6 +110,7 @@ class WorkerSupervisor:
         self.crash_loops = 0
         self.slot_leaks = 0  # restarts for a leaked slot (the gateway's: gateway.fleet)
         self.stalls = 0  # stalled requests in a row (watchdog)
+        self._silent = False  # a request it never answered was answered elsewhere (note_silent)
         self._restart_times: collections.deque[float] = collections.deque()
         self._failed_starts = 0  # starts in a row that ended without getting ready
         self._stall_check: asyncio.Event = asyncio.Event()  # a stall streak wants a check
@@ -282,6 +286,20 @@ class WorkerSupervisor:
             if self.on_check is not None:
                 self.on_check(self, True)
 
+    def note_silent(self) -> None:
+        """A request this worker sent nothing within ``first_byte_s`` got its first byte from
+        another worker on its retry (``gateway.fleet.Fleet.note_answered_elsewhere``): the
+        worker is suspect. New work goes elsewhere while it is checked (``on_check``), and the
+        check also asks it for a one-token completion (``workers.stall_check``)."""
+        if not self.ready:
+            return
+        self._silent = True
+        self.log.warning("worker.suspect", reason="a request it sent nothing was answered by "
+                                                  "another worker")
+        self._stall_check.set()
+        if self.on_check is not None:
+            self.on_check(self, True)
+
     def note_progress(self) -> None:
         """A request on this worker received data: it is alive."""
         self.stalls = 0
@@ -293,6 +311,7 @@ class WorkerSupervisor:
         worker failed its check)."""
         self._stall_check.clear()
         self.stalls = 0
+        self._silent = False
         failures = 0
         headers = {"Authorization": f"Bearer {proc.api_key}"}
         check_wait = asyncio.create_task(self._stall_check.wait())
@@ -365,19 +384,27 @@ class WorkerSupervisor:
         the worker (module doc). Returns the wedge reason when it failed; when it passed, logs
         ``worker.stall_not_wedged`` and starts the streak again (stalls noted during the check
         are covered by it)."""
-        streak = self.stalls
+        streak, silent = self.stalls, self._silent
+        self._silent = False
         t0 = time.monotonic()
-        failed = await check_worker(http, proc.url, headers, self.liveness_timeout_s)
+        failed = await check_worker(http, proc.url, headers, self.liveness_timeout_s,
+                                    completion=silent)
         took_ms = round((time.monotonic() - t0) * 1000, 1)
         if exit_task.done() or self._stopping:
             return None
         if failed is not None:
+            if silent:
+                return (f"a request it sent nothing within the first-byte timeout was answered "
+                        f"by another worker, and {failed}")
             if streak < self.wedge_after_stalls:
                 return f"a stalled request held its last free slot and {failed}"
             return f"{streak} requests in a row stalled and {failed}"
         self.log.warning("worker.stall_not_wedged", stalls=streak, check_ms=took_ms,
+                         completion_checked=silent,
                          pid=proc.pid)
         self.stalls = 0
+        if self._silent:  # note_silent came during this check: check again, with the probe
+            return None
         self._stall_check.clear()
         if self.on_check is not None:
             self.on_check(self, False)

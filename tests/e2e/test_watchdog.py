@@ -96,6 +96,57 @@ def test_silent_worker_requests_move_elsewhere(tmp_path, gateway_factory):
     assert st["queue"]["depth"] == 0 and all(x["busy"] == 0 for x in st["workers"])
 
 
+def _fake_beside_a_real_worker(tmp_path, gateway_factory, mode: str, liveness_timeout_s: float):
+    """(gateway, the FAKE's worker) of two single-slot workers: the first spawn is the FAKE in
+    ``mode``, the other worker and every restart real; ``first_byte_s`` 1.5, no affinity."""
+    binary = fake_binary(tmp_path, mode, real=str(ensure_llama_server()))
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
+                                                  "stop_grace_s": 2,
+                                                  "liveness_timeout_s": liveness_timeout_s},
+                      timeouts={"first_byte_s": 1.5}, scheduler={"prefix_affinity": False})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    fake = wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")
+    return gw, fake
+
+
+def test_a_worker_that_never_schedules_requests_is_restarted_after_one_stall(tmp_path,
+                                                                            gateway_factory):
+    """Case 10, "mark the worker suspect" (a fresh tester's find): a worker whose ``/health``,
+    ``/slots`` (every slot idle) and main loop answer but that never answers a completion (the
+    FAKE ``unscheduled``; the tester put a proxy that held completions in front of
+    llama-server) passed every stall check, so about every second request waited
+    ``first_byte_s`` for it and was then answered by the other worker, for good. Now a request
+    it never answered that the other worker then answered makes its check send a one-token
+    completion, which it fails: it is restarted, and exactly one request waited."""
+    gw, fake = _fake_beside_a_real_worker(tmp_path, gateway_factory, "unscheduled", 2)
+    took = []
+    for i in range(12):  # one after another: the fake gets one of the first few
+        t0 = time.monotonic()
+        r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+            "model": "demo", "prompt": f"seq {i}", "raw": True, "stream": True,
+            "options": {"num_predict": 4}})
+        took.append(time.monotonic() - t0)
+        assert r.status_code == 200 and json.loads(r.text.splitlines()[-1])["done"] is True
+    slow = [t for t in took if t >= 1.5]
+    assert len(slow) == 1, took  # old code: every request placed on the fake (about half)
+    w = wait_for(lambda: next((x for x in gw.workers() if x["id"] == fake["id"]
+                               and x["state"] == "ready" and x["pid"] != fake["pid"]), None),
+                 60, "the worker restarted")
+    assert w["wedges"] == 1 and not is_fake(w["pid"]) and not pid_alive(fake["pid"])
+    events = log_events(gw.log_path)
+    suspect = [e for e in events if e.get("event") == "worker.suspect"]
+    assert [e["worker"] for e in suspect] == [fake["id"]], suspect
+    (wedged,) = [e for e in events if e.get("event") == "worker.wedged"]
+    assert wedged["worker"] == fake["id"]
+    assert "was answered by another worker, and a one-token completion (POST /completion) " \
+           "while a slot was idle did not answer within" in wedged["reason"], wedged
+    ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "after", "raw": True, "stream": False,
+        "options": {"num_predict": 4}})
+    assert ok.status_code == 200 and ok.json()["done_reason"] == "length"
+
+
 def test_a_retry_goes_to_another_worker_not_back_to_the_silent_one(tmp_path, gateway_factory):
     """Case 10, found by a fresh tester: with prefix affinity a request's retries went back to
     the silent worker it had just timed out on. Each request now needs at most one retry."""
@@ -866,13 +917,7 @@ def test_requests_during_a_stall_check_wait_for_the_steady_worker(tmp_path, gate
     real restart). Before, either went to the FAKE, whose slot the gateway counts as free once
     A left it, and stalled there for ``first_byte_s`` more before its next try (which of the
     two depended on timing; the old code failed one assertion or the other)."""
-    binary = fake_binary(tmp_path, "silent", real=str(ensure_llama_server()))
-    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
-                                                  "stop_grace_s": 2, "liveness_timeout_s": 6},
-                      timeouts={"first_byte_s": 1.5}, scheduler={"prefix_affinity": False})
-    cfg["models"][0]["slots"] = 1
-    gw = gateway_factory(cfg)
-    fake = wait_for(lambda: next((w for w in gw.workers() if is_fake(w["pid"])), None), 10, "fake")
+    gw, fake = _fake_beside_a_real_worker(tmp_path, gateway_factory, "silent", 6)
 
     def worker(worker_id: str) -> dict:
         return next(w for w in gw.workers() if w["id"] == worker_id)

@@ -8,6 +8,11 @@ says:
   round), completions are accepted and never answered (no byte, ever): the first ones take the
   slots and never give them back, the rest wait for a slot forever. ``/slots`` shows that (every
   slot busy, nothing decoded), as llama-server's shows a slot that never frees.
+* ``unscheduled`` (field case 10, another way): ``/health``, ``/slots`` (every slot idle),
+  ``/lora-adapters`` and ``/metrics`` answer like a healthy idle llama-server's, and every
+  completion is read and never answered, holding no slot: a worker that accepted the request
+  and never scheduled it (a fresh tester made one with a proxy in front of llama-server that
+  held completions).
 * ``wedge``    (field case 11): completions stream 3 chunks, then hang; from the first
   completion on, ``/slots`` hangs too; SIGTERM is ignored (only SIGKILL ends it).
 * ``crash``: becomes ready, then exits with status 3 after ``--fake-crash-after`` seconds.
@@ -97,7 +102,7 @@ class FakeSlots:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--fake-mode", choices=["silent", "wedge", "crash", "marker", "loading"], required=True)
+    p.add_argument("--fake-mode", choices=["silent", "unscheduled", "wedge", "crash", "marker", "loading"], required=True)
     p.add_argument("--fake-crash-after", type=float, default=0.5)
     p.add_argument("--fake-loading-s", type=float, default=2.0)
     p.add_argument("--fake-loading-completions", type=int, default=2)
@@ -160,6 +165,8 @@ def main(argv: list[str]) -> None:
         if args.fake_mode == "silent":
             await fake_slots.take()  # never given back
             await forever.wait()
+        if args.fake_mode == "unscheduled":
+            await forever.wait()  # no slot taken: /slots stays idle
         if args.fake_mode == "marker":
             return await answer_or_stall(request, body)
         wedged.set()

@@ -50,10 +50,12 @@ def test_a_body_that_is_not_slots_shows_no_free_slot_and_no_work():
         assert slots_work(body) == frozenset()
 
 
-async def fake_worker(lora, slots) -> tuple[web.AppRunner, str]:
-    """A FAKE worker on a free port: ``lora`` and ``slots`` are aiohttp handlers."""
+async def fake_worker(lora, slots, completion=None) -> tuple[web.AppRunner, str]:
+    """A FAKE worker on a free port: ``lora``, ``slots`` and ``completion`` (POST
+    ``/completion``) are aiohttp handlers."""
     app = web.Application()
-    app.add_routes([web.get("/slots", slots)] + ([web.get("/lora-adapters", lora)] if lora else []))
+    app.add_routes([web.get("/slots", slots)] + ([web.get("/lora-adapters", lora)] if lora else [])
+                   + ([web.post("/completion", completion)] if completion else []))
     runner = web.AppRunner(app, shutdown_timeout=0.1)  # do not wait for a frozen handler
     await runner.setup()
     port = free_port()
@@ -79,13 +81,15 @@ def scripted_slots(*reads: list[dict]):
     return handler
 
 
-async def check(lora, slots, timeout_s: float = 0.6) -> str | None:
-    """``check_worker`` against a FAKE worker; asserts it kept its bound."""
-    runner, url = await fake_worker(lora, slots)
+async def check(lora, slots, timeout_s: float = 0.6, completion=None) -> str | None:
+    """``check_worker`` against a FAKE worker; asserts it kept its bound. With a
+    ``completion`` handler the check includes the one-token completion (step 3)."""
+    runner, url = await fake_worker(lora, slots, completion)
     try:
         async with aiohttp.ClientSession() as http:
             t0 = time.monotonic()
-            why = await check_worker(http, url, {}, timeout_s, poll_s=0.05)
+            why = await check_worker(http, url, {}, timeout_s, poll_s=0.05,
+                                     completion=completion is not None)
             assert time.monotonic() - t0 < timeout_s + 0.5
             return why
     finally:
@@ -117,6 +121,38 @@ async def test_a_build_without_the_route_fails_as_before_the_check_existed():
     assert why == "its main loop (GET /lora-adapters) answered HTTP 404"
 
 
+async def test_a_worker_that_never_schedules_a_completion_fails_the_completion_step():
+    """Step 3 (field case 10): main loop and ``/slots`` answer, every slot idle, and the
+    one-token completion is never answered (a fresh tester's proxy that held completions)."""
+    probes = []
+
+    async def held(request):
+        probes.append(await request.json())
+        await asyncio.sleep(3600)
+
+    why = await check(loop_answers, scripted_slots([slot(0, False)]), completion=held)
+    assert why == ("a one-token completion (POST /completion) while a slot was idle did not "
+                   "answer within 0.6 s")
+    assert probes == [{"prompt": "ok", "n_predict": 1, "cache_prompt": False, "stream": False}]
+
+
+async def test_the_completion_step_passes_when_answered_and_is_skipped_while_slots_work():
+    async def answered(request):
+        return web.json_response({"content": "x", "stop": True})
+
+    async def refused(request):
+        return web.json_response({"error": {"code": 500}}, status=500)
+
+    async def never(request):  # must not be asked: every slot is busy and moving
+        raise AssertionError("probe sent with no idle slot")
+
+    assert await check(loop_answers, scripted_slots([slot(0, False)]), completion=answered) is None
+    assert await check(loop_answers, scripted_slots([slot(0, False)]), completion=refused) == \
+        "a one-token completion (POST /completion) while a slot was idle answered HTTP 500"
+    moving = scripted_slots([slot(0, True, 4, 5, 1)], [slot(0, True, 4, 5, 2)])
+    assert await check(loop_answers, moving, completion=never) is None
+
+
 async def test_a_worker_that_is_gone_fails_without_raising():
     async with aiohttp.ClientSession() as http:
         why = await check_worker(http, f"http://127.0.0.1:{free_port()}", {}, 0.6)
@@ -137,6 +173,8 @@ async def test_a_real_worker_passes_with_every_slot_generating_and_fails_when_fr
         async with aiohttp.ClientSession() as http:
             await wait_health(http, proc.url)
             assert await check_worker(http, proc.url, headers, 2.0) is None  # idle
+            # the one-token completion of step 3 is answered by the real worker
+            assert await check_worker(http, proc.url, headers, 2.0, completion=True) is None
 
             async def generate():
                 async with http.post(proc.url + "/completion", headers=headers, json={
