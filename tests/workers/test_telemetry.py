@@ -170,6 +170,11 @@ async def test_a_sample_is_stamped_when_its_poll_was_sent():
             smp = await p.poll_once(s)
             assert smp is not None and smp.load.processing == 1
             assert sent <= smp.at < sent + 0.2, (sent, smp.at)
+            assert p.last is smp
+            # the worker went down (no endpoint): its last sample is gone with it, so status
+            # and /metrics show no tokens/s or KV fill for a worker with no process
+            ep = None
+            assert await p.poll_once(s) is None and p.last is None
     finally:
         await runner.cleanup()
 
