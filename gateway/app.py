@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway import __version__
+from gateway import __version__, early_hup
 from gateway.admission import Admission
 from gateway.api import admin as admin_api
 from gateway.api import embeddings as embeddings_api
@@ -66,6 +66,9 @@ class Gateway:
         self.runner: web.AppRunner | None = None
         self._socks: list = []  # listening sockets (gateway.listen), bound first at start
         self.stopping = asyncio.Event()
+        #: the fleet is built and started (``start``): a reload waits for it (a SIGHUP during
+        #: start-up found no fleet yet and its reload task died of an AttributeError)
+        self.started = asyncio.Event()
         #: a second SIGTERM/SIGINT during the stop: end the drain now (gateway/drain.py)
         self.hurry = asyncio.Event()
         self.draining_requests = False  # the drain's wait for running requests is on
@@ -303,6 +306,7 @@ class Gateway:
         log.info("gateway.listening", listen=address(host, port), version=__version__,
                  workers=[p.id for p in plans], binary=str(binary))
         self.fleet.start()
+        self.started.set()
         self._tasks.append(asyncio.create_task(self._watch(), name="gateway-watch"))
 
     async def stop(self) -> None:
@@ -343,6 +347,9 @@ async def serve(config: GatewayConfig, config_path: str | None = None) -> int:
         gw.reloader.spawn()
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
+    if early_hup.take():  # signalled before the handler existed: reload now (gateway.early_hup)
+        log.info("gateway.sighup", early=True)
+        loop.call_soon(gw.reloader.spawn)
     try:
         await gw.start()
         await gw.stopping.wait()

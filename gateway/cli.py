@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -236,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     verb = args.verb or "serve"
     if verb == "serve" and threading.current_thread() is threading.main_thread():
         # Until serve() installs its reload handler (after imports and the config load), a
-        # SIGHUP must not end the process (its default action; exit 129 in a tester's run).
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        # SIGHUP must not end the process (its default action; exit 129 in a tester's run),
+        # and is applied once the handler is there (gateway.early_hup).
+        from gateway import early_hup
+        early_hup.catch()  # again when gateway.__main__ did: what it recorded is kept
     if verb == "serve" and not hasattr(args, "config"):
         args.config = os.environ.get("LLAMA_GATEWAY_CONFIG", "gateway.yaml")
     if verb in ("status", "worker", "reload"):

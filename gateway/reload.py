@@ -143,6 +143,9 @@ class Reloader:
             t.cancel()
 
     async def reload(self) -> ReloadResult:
+        """Reload ``path`` into the gateway, once its fleet is started (``Gateway.started``:
+        a SIGHUP during start-up, a llama-server build included, waits for it)."""
+        await self.gw.started.wait()
         async with self._lock:
             gw = self.gw
             # RELOADING=1 … READY=1 only once start-up's READY=1 was sent: a READY=1 before it

@@ -21,7 +21,9 @@ def _fake_gateway(tmp_path, ready_sent: bool):
     s.settimeout(0.1)
     reloads = Counter("reloads", "FAKE gateway's reload counter", ["result"],
                       registry=CollectorRegistry())
-    gw = SimpleNamespace(ready_sent=ready_sent, stopping=asyncio.Event(),
+    started = asyncio.Event()
+    started.set()
+    gw = SimpleNamespace(ready_sent=ready_sent, stopping=asyncio.Event(), started=started,
                          metrics=SimpleNamespace(reloads=reloads),
                          notifier=Notifier({"NOTIFY_SOCKET": str(tmp_path / "n.sock")}),
                          fleet_status=lambda: "2/2 workers ready")
@@ -72,5 +74,21 @@ async def test_a_reload_before_start_ups_ready_sends_nothing(tmp_path, monkeypat
     gw, s = _fake_gateway(tmp_path, ready_sent=False)
     assert (await Reloader(gw, "gateway.yaml").reload()).ok
     assert _received(s) == []
+    gw.notifier.close()
+    s.close()
+
+
+async def test_a_reload_asked_for_before_the_fleet_started_waits_for_it(tmp_path, monkeypatch):
+    """A SIGHUP during start-up (before ``Gateway.start`` built and started the fleet) ran the
+    reload at once, which died of an AttributeError on the missing fleet (its task's exception
+    was never retrieved). It now waits for ``Gateway.started``."""
+    monkeypatch.setattr(Reloader, "_reload", _slow_reload)
+    gw, s = _fake_gateway(tmp_path, ready_sent=False)
+    gw.started.clear()
+    task = asyncio.ensure_future(Reloader(gw, "gateway.yaml").reload())
+    await asyncio.sleep(0.5)
+    assert not task.done()  # _slow_reload takes 0.35 s: it has not begun
+    gw.started.set()
+    assert (await asyncio.wait_for(task, 5)).ok
     gw.notifier.close()
     s.close()
