@@ -231,7 +231,9 @@ class Gateway:
             # cpu_fallback 0) at once, so that systemd's start does not time out on a gateway
             # that answers every request 503
             if not self.ready_sent:
-                if all(s.ready or s.state == "failed" or s.restarts > 0 for s in sups):
+                # runs_ended, not restarts: a worker a reload or an admin restarted while it
+                # started carries its count over, and was reported failed while it loaded
+                if all(s.ready or s.state == "failed" or s.runs_ended > 0 for s in sups):
                     self.ready_sent = True
                     log.info("gateway.ready", workers=len(sups),
                              failed=[s.id for s in sups if not s.ready])

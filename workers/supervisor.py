@@ -106,6 +106,9 @@ class WorkerSupervisor:
         self.failed_retry_s = failed_retry_s
         self._steered = False  # new work steered away while a liveness probe is late
         self.crashes = 0  # runs that ended without stop(): exits, wedges, startup failures
+        #: runs of this supervisor that ended without stop() (``crashes`` and ``restarts``
+        #: go on across restarts by the fleet, which copies them into the new supervisor)
+        self.runs_ended = 0
         self.wedges = 0
         self.crash_loops = 0
         self.slot_leaks = 0  # restarts for a leaked slot (the gateway's: gateway.fleet)
@@ -239,6 +242,7 @@ class WorkerSupervisor:
                         break
                     self._failed_starts += 1
                 self.crashes += 1
+                self.runs_ended += 1
                 if self._stopping:  # stopped meanwhile (an admin restart): no restart follows
                     break
                 self.restarts += 1

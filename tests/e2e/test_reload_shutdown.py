@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import (ROOT, base_config, free_port, llama_server_pids, long_stream,
-                            pid_alive, start_gateway)
+                            pid_alive, start_gateway, stop_and_check_no_worker_left)
 from tests.fakes import slow_start_binary
 from workers.provision import cache_root, ensure_llama_server
 
@@ -1449,3 +1449,33 @@ def test_a_reload_notices_a_model_file_replaced_in_place(tmp_path, gateway_facto
 def _sha256(path) -> str:
     import hashlib
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_worker_a_reload_restarts_during_start_up_is_not_reported_failed(tmp_path):
+    """``gateway.ready`` (and systemd's READY=1 status) waits for every worker to be ready or
+    past its first try. A worker that a reload restarted while the gateway started carried its
+    restart count into its new supervisor, so it counted as past its first try while it loaded
+    again, and ``gateway.ready`` named it ``failed`` 0.15 s before it was ready (a fresh
+    tester's find)."""
+    cfg = base_config(free_port(), models=[{"name": "demo", "path": "builtin:demo", "slots": 1,
+                                            "context": 1024, "cpu": 2}])
+    gw = start_gateway(tmp_path, cfg, wait=False)  # listening; the workers start
+    try:
+        cfg["models"][0]["context"] = 640
+        gw.cfg_path.write_text(yaml.safe_dump(cfg))
+        gw.proc.send_signal(signal.SIGHUP)
+        end = time.monotonic() + 120
+        while True:
+            events = [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
+                      if ln.startswith("{")]
+            ready = [e for e in events if e["event"] == "gateway.ready"]
+            reloaded = [e for e in events if e["event"] == "config.reloaded"]
+            if (ready and reloaded) or time.monotonic() > end:
+                break
+            time.sleep(0.1)
+        restarted = [e["worker"] for e in events if e["event"] == "worker.restart_started"]
+        assert restarted, [e["event"] for e in events]  # the reload restarted workers
+        assert ready and ready[0]["failed"] == [], ready
+        assert {w["state"] for w in gw.workers()} == {"ready"}
+    finally:
+        stop_and_check_no_worker_left(gw)
