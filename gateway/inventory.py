@@ -48,12 +48,32 @@ _FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q
            25: "IQ4_NL", 26: "IQ3_S", 28: "IQ4_XS", 32: "BF16"}
 
 
-def _open_gguf(path: Path):
-    """gguf's GGUFReader on ``path``. Raises OSError, or ValueError for a file that is not GGUF
-    (no magic) or that it cannot parse: a cut-short file made it raise IndexError (a traceback
-    and exit 1 at start, a 500 on reload; a fresh tester's find)."""
+def _bounded_reader():
+    """gguf's GGUFReader, whose every read (``_get``, through which it reads the header, the
+    tensor infos and each tensor's data) is first checked against the file's size: a file cut
+    short (an interrupted download or copy) was reported in numpy's words, "cannot reshape
+    array of size 3908 into shape (559,64)" or an IndexError (a fresh tester's find)."""
+    import numpy as np
     from gguf import GGUFReader
 
+    class BoundedReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                raise ValueError(
+                    f"the file is cut short: it has {len(self.data):,} bytes and its GGUF "
+                    f"header describes data up to byte {end:,} (an interrupted download or "
+                    f"copy?)")
+            return super()._get(offset, dtype, count, override_order)
+    return BoundedReader
+
+
+def _open_gguf(path: Path):
+    """gguf's GGUFReader on ``path`` (reads checked against the file's size:
+    ``_bounded_reader``). Raises OSError, or ValueError for a file that is not GGUF (no
+    magic), that is cut short, or that it cannot parse otherwise: a cut-short file made it
+    raise IndexError (a traceback and exit 1 at start, a 500 on reload; a fresh tester's
+    find)."""
     with open(path, "rb") as f:  # the parser's own words for another file were numpy's
         magic = f.read(4)
     if magic != b"GGUF":  # (a reshape error; a fresh tester's find)
@@ -61,7 +81,7 @@ def _open_gguf(path: Path):
         raise ValueError(f"not a GGUF file: it does not begin with the GGUF magic "
                          f"(first bytes {magic!r}, {size} bytes in all)")
     try:
-        return GGUFReader(str(path), "r")
+        return _bounded_reader()(str(path), "r")
     except (OSError, ValueError):
         raise
     except Exception as e:  # noqa: BLE001 — the parser's own failures on a malformed file
