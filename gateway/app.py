@@ -76,6 +76,10 @@ class Gateway:
         #: Inference requests accepted and not yet answered (queued or running; the guard
         #: middleware counts them): the in-flight figure of /metrics and the status API.
         self.inference_in_flight = 0
+        #: id(request) -> inputs of that admitted embedding request that wait for its bound on
+        #: inputs in flight before they are even queued (``gateway.api.embeddings.embed_many``):
+        #: part of ``waiting_inputs`` in the status API.
+        self.inputs_held: dict[int, int] = {}
         self.draining = False  # True once shutdown began: new requests get 503
         self.notifier = notifier or Notifier()
         self.ready_sent = False  # systemd READY=1 of the start-up was sent (_watch)

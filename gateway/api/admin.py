@@ -8,7 +8,8 @@ plain key gets 403; ``/metrics`` stays open with ``auth.metrics_public``):
   stall_check, n_ctx_slot,
   kv_fill, deferred, tokens_per_s, speed, sequence_tokens_per_s, gpu}],
   "queue": {"depth" (requests waiting, as ``max_pending`` counts them), "waiting_inputs"
-  (tickets waiting: each input of an embedding request counted), "max_pending",
+  (tickets waiting, each input of an embedding request counted, and the inputs of admitted
+  embedding requests not yet queued: ``Gateway.inputs_held``), "max_pending",
   "by_priority": {prio: n}}, "in_flight" (inference requests
   queued or running; this poll and other status/admin requests are not counted), "shutting_down",
   "gpus": [{index, name, util_percent, memory_used_bytes, memory_total_bytes, temperature_c,
@@ -101,7 +102,8 @@ def snapshot(gw) -> dict:
             "slot_leaks": sup.slot_leaks, "stall_check": bool(view and view.checking),
         })
     return {"workers": out,
-            "queue": {"depth": gw.dispatcher.queue.requests(), "waiting_inputs": len(gw.dispatcher.queue),
+            "queue": {"depth": gw.dispatcher.queue.requests(),
+                      "waiting_inputs": len(gw.dispatcher.queue) + sum(gw.inputs_held.values()),
                       "max_pending": gw.dispatcher.max_pending,
                       "by_priority": {str(k): v for k, v in
                                       sorted(gw.dispatcher.queue.depth_by_priority().items())}},

@@ -266,3 +266,25 @@ def test_concurrent_embeds_are_bounded_by_the_queue(gateway_factory):
             assert len(obj["embeddings"]) == 1
     st = httpx.get(g.url + "/gateway/api/workers", timeout=5).json()
     assert st["queue"]["depth"] == 0 and all(w["busy"] == 0 for w in st["workers"])
+
+
+def test_waiting_inputs_counts_the_inputs_of_a_batch_not_yet_queued(gateway_factory):
+    """``waiting_inputs`` counts every waiting input (README): the inputs of an admitted batch
+    beyond the model's slots wait for their request's bound before they are queued, and one
+    400-input batch showed 0 waiting while 398 did (a fresh tester's find). Once it is done,
+    nothing is left counted."""
+    cfg = base_config(free_port(), models=[embed_model(cpu=1, context=1024)])
+    g = gateway_factory(cfg)
+    body = {"model": "embed", "input": [f"lorem ipsum dolor {i} " * 20 for i in range(300)]}
+    seen = []
+    with cf.ThreadPoolExecutor(1) as ex:
+        call = ex.submit(httpx.post, g.url + "/api/embed", json=body, timeout=120)
+        while not call.done():
+            seen.append(httpx.get(g.url + "/gateway/api/workers", timeout=5).json()["queue"])
+            time.sleep(0.05)
+        r = call.result()
+    assert r.status_code == 200 and len(r.json()["embeddings"]) == 300
+    assert max(q["waiting_inputs"] for q in seen) > 200, seen[:5]  # old code: at most 2
+    assert all(q["depth"] <= 1 for q in seen)  # still one request
+    after = httpx.get(g.url + "/gateway/api/workers", timeout=5).json()["queue"]
+    assert after["waiting_inputs"] == 0 and after["depth"] == 0
