@@ -584,8 +584,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
             obj["thinking"] = "".join(st.thinking)
         if not raw:  # Ollama tokenizes the answer as generated, reasoning and tags included
             said = "".join(split.raw) if split is not None else response
-            obj["context"] = await tokenize(gw, entry.name, rendered + said,
-                                            prefer=request.get("worker"))
+            try:
+                obj["context"] = await tokenize(gw, entry.name, rendered + said,
+                                                prefer=request.get("worker"))
+            except UpstreamError as e:
+                # the answer is whole: it ends with its done object, without ``context``,
+                # rather than an error in its place (a fresh tester's find: a stream of a
+                # finished answer ended with an error line as the only worker that could
+                # tokenize it crashed)
+                log.warning("generate.context_failed", request_id=request.get("request_id"),
+                            model=entry.name, error=e.message)
         obj.update(st.metrics())
         if lp or top:
             obj["logprobs"] = st.take_logprobs(top)
