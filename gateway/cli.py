@@ -363,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if path.is_dir():  # "if missing" found it there and printed a folder as the model
                 raise IsADirectoryError(21, "Is a directory", str(path))
+            if args.context_length is None and not args.force and path.is_file():
+                with open(path, "rb") as f:  # "if missing" found another file there and
+                    if f.read(4) != b"GGUF":  # printed it as the model (a fresh tester's find)
+                        sys.stderr.write(f"llama-gateway demo-model: {path} exists and is not "
+                                         "a GGUF file; --force overwrites it\n")
+                        return 1
             if args.context_length is not None:
                 path = write_demo_model(path, n_ctx_train=args.context_length)
             else:

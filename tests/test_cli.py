@@ -251,6 +251,23 @@ def test_demo_model_to_an_existing_folder_is_refused(tmp_path):
     assert r.stderr == f"llama-gateway demo-model: cannot write {tmp_path}: Is a directory\n"
 
 
+def test_demo_model_over_an_existing_file_that_is_not_gguf_is_refused(tmp_path):
+    """"Write it if missing" found another file there and printed it as the model, exit 0 (a
+    fresh tester's find: a YAML file). An existing demo model is still found, and --force
+    overwrites the other file."""
+    other = tmp_path / "ok.yaml"
+    other.write_text("listen: 127.0.0.1:0\n")
+    r = run("demo-model", "--path", str(other))
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+    assert r.stderr == (f"llama-gateway demo-model: {other} exists and is not a GGUF file; "
+                        "--force overwrites it\n")
+    assert other.read_text() == "listen: 127.0.0.1:0\n"
+    forced = run("demo-model", "--path", str(other), "--force")
+    assert forced.returncode == 0 and other.read_bytes()[:4] == b"GGUF"
+    again = run("demo-model", "--path", str(other))
+    assert again.returncode == 0 and again.stdout == f"{other}\n"
+
+
 @pytest.mark.slow
 def test_calibrate_says_why_its_llama_server_did_not_start(tmp_path):
     """A llama-server that exits before it is ready (here: a binary that is a llama-server

@@ -226,6 +226,8 @@ async def api_embed(request: web.Request) -> web.Response:
     body = await read_json(request)
     entry = resolve_model(request, body, missing_status=404)
     await _check_embedding(request, body, entry)
+    # checked first: the load answer below took any truncate (a fresh tester's find)
+    truncate = optional(body, "truncate", bool, "a boolean", True)  # null: unset, so true
     raw = body.get("input")
     if raw is None or raw == "" or raw == []:
         entry.touch(parse_keep_alive(body.get("keep_alive")))
@@ -233,7 +235,6 @@ async def api_embed(request: web.Request) -> web.Response:
     inputs = [raw] if isinstance(raw, str) else raw
     if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
         raise ApiError(400, "invalid input type")
-    truncate = optional(body, "truncate", bool, "a boolean", True)  # null: unset, so true
     entry.touch(parse_keep_alive(body.get("keep_alive")))
     t_loaded = time.monotonic_ns()
     vecs, n = await embed_many(request, entry, inputs, truncate, _dimensions(body))

@@ -288,3 +288,14 @@ def test_waiting_inputs_counts_the_inputs_of_a_batch_not_yet_queued(gateway_fact
     assert all(q["depth"] <= 1 for q in seen)  # still one request
     after = httpx.get(g.url + "/gateway/api/workers", timeout=5).json()["queue"]
     assert after["waiting_inputs"] == 0 and after["depth"] == 0
+
+
+def test_truncate_is_checked_on_the_load_answer_too(gw):
+    """``{"input": "", "truncate": "no"}`` got the load answer, 200, with a ``truncate`` that
+    is not a boolean (a fresh tester's find); it is 400 as for any input."""
+    for inp in ("", [], "alpha"):
+        r = httpx.post(gw.url + "/api/embed", json={"model": "embed", "input": inp,
+                                                    "truncate": "no"}, timeout=30)
+        assert r.status_code == 400 and r.json() == {"error": "truncate must be a boolean"}, r.text
+    ok = httpx.post(gw.url + "/api/embed", json={"model": "embed", "input": ""}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["embeddings"] == []
