@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import functools
 import json
 import os
 import threading
@@ -48,8 +49,9 @@ _FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q
            25: "IQ4_NL", 26: "IQ3_S", 28: "IQ4_XS", 32: "BF16"}
 
 
+@functools.cache
 def _bounded_reader():
-    """gguf's GGUFReader, whose every read (``_get``, through which it reads the header, the
+    """gguf's GGUFReader (the class, made once: gguf is imported when first needed), whose every read (``_get``, through which it reads the header, the
     tensor infos and each tensor's data) is first checked against the file's size: a file cut
     short (an interrupted download or copy) was reported in numpy's words, "cannot reshape
     array of size 3908 into shape (559,64)" or an IndexError (a fresh tester's find)."""
