@@ -203,16 +203,26 @@ class LaunchSpec:
         return env
 
 
+#: Text of output lines without llama-server's log prefix that report why the process dies:
+#: the dynamic loader's (a binary copied out of its build folder without its libraries), a
+#: ggml assertion (``ggml.c:3354: GGML_ASSERT(ggml_can_mul_mat(a, b)) failed``, then SIGABRT),
+#: a C++ exception that ends it. Such a worker's start-up failure was "exited during startup
+#: with status 127" (or -6) with the cause only at debug level (a fresh tester's find).
+CRASH_MARKS = ("error while loading shared libraries", "GGML_ASSERT", "GGML_ABORT",
+               "terminate called", "Illegal instruction", "Segmentation fault")
+
+
 def error_text(line: str) -> str | None:
     """The error a llama-server output line reports (at most 300 characters), or None: a line
     with the level letter E after its timestamp (``0.00.009.380 E llama_model_load: …``, the
     text after the letter), or one without a prefix that starts with ``error`` (its
-    command-line parser's ``error: invalid argument: --x``, pinned build common/arg.cpp)."""
+    command-line parser's ``error: invalid argument: --x``, pinned build common/arg.cpp) or
+    holds one of :data:`CRASH_MARKS`."""
     parts = line.split(" ", 2)
     level = parts[1] if len(parts) > 2 and len(parts[1]) == 1 else ""
     if level == "E":
         return parts[2][:300]
-    if not level and line.startswith("error"):
+    if not level and (line.startswith("error") or any(m in line for m in CRASH_MARKS)):
         return line[:300]
     return None
 
@@ -269,6 +279,9 @@ class WorkerProcess:
         #: --x``; ``llama_model_load: error loading model: …``, before the lines that repeat it
         #: less precisely); None while it wrote none.
         self.first_error: str | None = None
+        #: the last output line without llama-server's log prefix (at most 300 characters): the
+        #: reason of a start-up failure that wrote no error line (a wrapper script's message)
+        self.last_plain: str | None = None
         self.log = get_logger("workers.process", worker=spec.worker_id, gpu=spec.gpu_label)
         self._operator_verbosity = spec.operator_verbosity
 
@@ -353,6 +366,8 @@ class WorkerProcess:
         parts = text.split(" ", 2)
         level = parts[1] if len(parts) > 2 and len(parts[1]) == 1 else ""
         error = error_text(text)
+        if not level and error is None:
+            self.last_plain = text[:300]
         if error is not None:
             self.log.error("worker.output", stream=stream, line=text)
             if self.first_error is None:

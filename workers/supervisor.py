@@ -448,7 +448,8 @@ class WorkerSupervisor:
             if self._stopping:
                 return "stopping"
             if exit_task.done():
-                why = f": {proc.first_error}" if proc.first_error else ""
+                said = proc.first_error or proc.last_plain  # a wrapper's own message, at least
+                why = f": {said}" if said else ""
                 return f"exited during startup with status {exit_task.result()}{why}"
             if time.monotonic() > deadline:
                 return f"startup timeout after {self.startup_timeout_s:g} s"

@@ -367,3 +367,43 @@ def test_a_worker_that_ignores_sigterm_is_killed_at_the_end_of_the_grace(tmp_pat
     rc, took, events = _stop_fake(tmp_path, "signal.SIG_IGN", grace_s=2)
     assert rc == -9 and 1.9 < took < 5, (rc, took)
     assert events.count("worker.stop_timeout") == 1, events
+
+
+def test_crash_lines_without_a_prefix_are_errors():
+    """The dynamic loader's error, a ggml assertion and a C++ exception end a worker without
+    llama-server's log prefix: they are its error (the start-up reason), where its start-up
+    failure said only "status 127" or "-6" (a fresh tester's find)."""
+    from workers.process import error_text
+    for line in ("/opt/x/llama-server: error while loading shared libraries: libllama-server-impl"
+                 ".so: cannot open shared object file: No such file or directory",
+                 "/src/ggml/src/ggml.c:3354: GGML_ASSERT(ggml_can_mul_mat(a, b)) failed",
+                 "terminate called after throwing an instance of 'std::runtime_error'"):
+        assert error_text(line) == line
+    assert error_text("0.00.009.380 I main: loading model") is None
+    assert error_text("build: 1 (0c1e570) with cc") is None
+
+
+@pytest.mark.slow
+def test_a_binary_without_its_libraries_names_the_loaders_error(tmp_path):
+    """llama-server copied out of its build folder without its shared libraries exits 127;
+    the start-up reason names the loader's line (a fresh tester's find: the cause was nowhere
+    in the log), and a wrapper's own last line is the reason when it writes no error line."""
+    import shutil
+    lonely = tmp_path / "lonely" / "llama-server"
+    lonely.parent.mkdir()
+    shutil.copy2(ensure_llama_server(), lonely)
+    wrapper = tmp_path / "wrapper.sh"
+    wrapper.write_text("#!/bin/sh\necho 'wrapper: the model share is not mounted' >&2\nexit 3\n")
+    wrapper.chmod(0o755)
+
+    async def run(binary):
+        p = WorkerProcess(spec(binary=binary, model_path=tmp_path / "missing.gguf", gpus=()),
+                          state_dir=tmp_path / "run")
+        await p.start()
+        status = await asyncio.wait_for(p.wait(), 30)  # its output read to the end
+        return status, p.first_error or p.last_plain
+
+    status, said = asyncio.run(run(lonely))
+    assert status == 127 and "error while loading shared libraries" in said, said
+    status, said = asyncio.run(run(wrapper))
+    assert status == 3 and said == "wrapper: the model share is not mounted", said
