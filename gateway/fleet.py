@@ -464,8 +464,8 @@ class Fleet:
 
     def note_answered_elsewhere(self, worker_id: str) -> None:
         """Upstream: a request this worker sent nothing within ``first_byte_s`` was answered
-        by another worker on its retry. Its stall check then also runs a one-token completion
-        (``WorkerSupervisor.note_silent``): a worker that accepts requests and never schedules
+        by another worker on its retry: the worker is suspect and checked at once, with a
+        one-token completion (``WorkerSupervisor.note_silent``): a worker that accepts requests and never schedules
         them, while its main loop and ``/slots`` answer and its slots look idle, passed the
         check and kept every second request waiting ``first_byte_s`` (field case 10, "mark the
         worker suspect"; a fresh tester's find)."""

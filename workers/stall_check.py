@@ -35,14 +35,16 @@ pinned llama-server (llama.cpp ``0c1e570``, ``tools/server/``):
    the others work (work moves): ``gateway.scheduling.slot_leaks`` finds that slot from the
    polled ``/slots`` and the gateway's leases, and the fleet restarts the worker.
 
-3. With ``completion`` (the worker sent a request nothing within ``first_byte_s`` and
-   another worker answered that request's retry: ``WorkerSupervisor.note_silent``), once
-   ``/slots`` shows an idle slot: ``POST /completion`` of one token (:data:`PROBE_BODY`),
+3. With ``completion`` (the supervisor's checks always ask it), once ``/slots`` shows an
+   idle slot: ``POST /completion`` of one token (:data:`PROBE_BODY`),
    which must be answered 200 within what is left of ``timeout_s``. A worker that accepts
    requests and never schedules them (its main loop and ``/slots`` answer, its slots look
    idle, the requests wait forever: field case 10, "accepted but never scheduled") passed
    steps 1 and 2 and kept every second request waiting ``first_byte_s`` (a fresh tester's
-   find, with a wrapper in front of llama-server that held completions). The probe takes the
+   find, with a wrapper in front of llama-server that held completions); with every worker of
+   the model that way, each request waited 3 × ``first_byte_s`` for its 504, for good (another
+   tester's). A request that silences a worker for itself alone (the pinned build's ``n`` 2
+   with an empty prompt) leaves it answering this probe, so that worker is kept. The probe takes the
    idle slot for one decode step (milliseconds on the demo model); with every slot busy and
    moving the worker is working and no probe is sent.
 

@@ -17,10 +17,11 @@ token in between (``note_progress``), or a single one that held the worker's las
 worker itself (``workers.stall_check.check_worker``: its main loop answers and its slots are
 free or moving, within ``liveness_timeout_s``): a worker that fails is wedged; one that passes
 is kept, the stalls are taken as the requests' own (``worker.stall_not_wedged``) and the streak
-starts again from 0. A request the worker sent nothing within ``first_byte_s`` that another
-worker then answered (``note_silent``: evidence against the worker, not the request) makes the
-check also run a one-token completion, which a worker that accepts requests and never
-schedules them does not answer (field case 10). Crash loop: ``crash_loop_restarts``
+starts again from 0. The check also sends a one-token completion when a slot is idle, which a
+worker that accepts requests and never schedules them does not answer (field case 10). A
+request the worker sent nothing within ``first_byte_s`` that another worker then answered
+(``note_silent``: evidence against the worker, not the request) makes it suspect: it is
+checked at once. Crash loop: ``crash_loop_restarts``
 restarts within ``crash_loop_window_s``, or as many starts in a row that ended without the
 worker getting ready (a worker that hangs while it loads takes ``startup_timeout_s``, 180 s,
 per try: no two of its restarts fell within the 120 s window, so it never counted as failing
@@ -293,8 +294,8 @@ class WorkerSupervisor:
     def note_silent(self) -> None:
         """A request this worker sent nothing within ``first_byte_s`` got its first byte from
         another worker on its retry (``gateway.fleet.Fleet.note_answered_elsewhere``): the
-        worker is suspect. New work goes elsewhere while it is checked (``on_check``), and the
-        check also asks it for a one-token completion (``workers.stall_check``)."""
+        worker is suspect and is checked at once (with the one-token completion of
+        ``workers.stall_check``); new work goes elsewhere meanwhile (``on_check``)."""
         if not self.ready:
             return
         self._silent = True
@@ -391,8 +392,11 @@ class WorkerSupervisor:
         streak, silent = self.stalls, self._silent
         self._silent = False
         t0 = time.monotonic()
+        # the one-token completion on every check with an idle slot, not only for a suspect:
+        # when every worker of a model accepted requests and never answered them, none was
+        # suspect (no other answered), and none was ever restarted (a fresh tester's find)
         failed = await check_worker(http, proc.url, headers, self.liveness_timeout_s,
-                                    completion=silent)
+                                    completion=True)
         took_ms = round((time.monotonic() - t0) * 1000, 1)
         if exit_task.done() or self._stopping:
             return None
@@ -404,7 +408,7 @@ class WorkerSupervisor:
                 return f"a stalled request held its last free slot and {failed}"
             return f"{streak} requests in a row stalled and {failed}"
         self.log.warning("worker.stall_not_wedged", stalls=streak, check_ms=took_ms,
-                         completion_checked=silent,
+                         suspect=silent,
                          pid=proc.pid)
         self.stalls = 0
         if self._silent:  # note_silent came during this check: check again, with the probe

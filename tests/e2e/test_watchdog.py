@@ -117,8 +117,9 @@ def test_a_worker_that_never_schedules_requests_is_restarted_after_one_stall(tmp
     FAKE ``unscheduled``; the tester put a proxy that held completions in front of
     llama-server) passed every stall check, so about every second request waited
     ``first_byte_s`` for it and was then answered by the other worker, for good. Now a request
-    it never answered that the other worker then answered makes its check send a one-token
-    completion, which it fails: it is restarted, and exactly one request waited."""
+    it never answered (the check of its stall) and one the other worker then answered (the
+    suspect mark) make its check send a one-token completion, which it fails: it is
+    restarted, and exactly one request waited."""
     gw, fake = _fake_beside_a_real_worker(tmp_path, gateway_factory, "unscheduled", 2)
     took = []
     for i in range(12):  # one after another: the fake gets one of the first few
@@ -139,12 +140,51 @@ def test_a_worker_that_never_schedules_requests_is_restarted_after_one_stall(tmp
     assert [e["worker"] for e in suspect] == [fake["id"]], suspect
     (wedged,) = [e for e in events if e.get("event") == "worker.wedged"]
     assert wedged["worker"] == fake["id"]
-    assert "was answered by another worker, and a one-token completion (POST /completion) " \
-           "while a slot was idle did not answer within" in wedged["reason"], wedged
+    # found by the check of its first stall (it held the worker's only slot), whose one-token
+    # completion it did not answer; the suspect mark asked for the same check
+    assert "a one-token completion (POST /completion) while a slot was idle did not answer " \
+           "within" in wedged["reason"], wedged
     ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
         "model": "demo", "prompt": "after", "raw": True, "stream": False,
         "options": {"num_predict": 4}})
     assert ok.status_code == 200 and ok.json()["done_reason"] == "length"
+
+
+def test_every_worker_that_never_schedules_requests_is_restarted(tmp_path, gateway_factory):
+    """Case 10 with every worker of the model silent the same way (both FAKE ``unscheduled``;
+    their restarts are real): no retry was ever answered elsewhere, so neither was suspect, each
+    stall check passed (main loop and idle ``/slots`` answer) and every request waited 3 ×
+    ``first_byte_s`` for its 504, for good (a fresh tester's find with a proxy that held
+    completions on both workers). Each check now sends the one-token completion: both workers
+    fail it and are restarted, and the model serves again."""
+    binary = fake_binary(tmp_path, "unscheduled", real=str(ensure_llama_server()), fakes=2)
+    cfg = base_config(free_port(), llama_server={"binary": str(binary), "threads": 1,
+                                                  "stop_grace_s": 2, "liveness_timeout_s": 2},
+                      timeouts={"first_byte_s": 1.5}, scheduler={"prefix_affinity": False})
+    cfg["models"][0]["slots"] = 1
+    gw = gateway_factory(cfg)
+    fakes = {w["id"]: w["pid"] for w in gw.workers()}
+    assert all(is_fake(p) for p in fakes.values()), fakes
+    r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "first", "raw": True, "stream": False,
+        "options": {"num_predict": 4}})
+    # its tries met the fakes (each found wedged under it: 502, not tried on a third) or
+    # their restarts; a clear JSON error either way
+    assert r.status_code in (200, 502, 504) and (r.status_code == 200 or "error" in r.json()), r.text
+    ws = wait_for(lambda: (lambda ws: ws if all(w["state"] == "ready" and w["pid"] != fakes[w["id"]]
+                                                for w in ws) else None)(gw.workers()),
+                  60, "both workers restarted")
+    assert all(w["wedges"] == 1 and not is_fake(w["pid"]) for w in ws), ws
+    wedged = [e for e in log_events(gw.log_path) if e.get("event") == "worker.wedged"]
+    assert sorted(e["worker"] for e in wedged) == sorted(fakes), wedged
+    assert all("a one-token completion (POST /completion) while a slot was idle did not "
+               "answer within" in e["reason"] for e in wedged), wedged
+    for i in range(3):
+        t0 = time.monotonic()
+        ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
+            "model": "demo", "prompt": f"after {i}", "raw": True, "stream": False,
+            "options": {"num_predict": 4}})
+        assert ok.status_code == 200 and time.monotonic() - t0 < 1.5, ok.text
 
 
 def test_a_retry_goes_to_another_worker_not_back_to_the_silent_one(tmp_path, gateway_factory):
