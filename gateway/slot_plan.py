@@ -54,10 +54,14 @@ def launch_slots(args: list[str], slots: int, context: int, trained: int) -> tup
     training context ``trained`` (tokens, 0 unknown); its ``-c`` is their product. The per-slot
     context is capped at ``trained``, also when ``args`` set ``-np`` alone (their slots then
     split the plan's slots × context): with ``-np 3`` and ``context: 8192`` on a
-    4,096-trained model, 27 % of the KV cache was allocated and never used. With ``-c`` or
-    ``--kv-unified`` in ``args`` the total is the operator's, and left as it is."""
+    4,096-trained model, 27 % of the KV cache was allocated and never used. ``--kv-unified``
+    changes nothing here: its slots share the one cache, each up to the training context, so
+    slots × the capped context is all they can use (a fresh tester's find: -c 8192 for 2 slots
+    of a 1,024-trained model). With ``-c`` in ``args`` the total is the operator's, and left as
+    it is."""
     np_, c = _last_int(args, SLOT_FLAGS), _last_int(args, CTX_FLAGS)
-    if c is not None or _unified(args):
+    if c is not None:
         return slots, context, context
-    n, per_slot, _ = args_override(args, slots, context) if np_ is not None else (slots, context, "")
+    n = np_ or slots  # -np's slots split the plan's slots × context
+    per_slot = slots * context // n if np_ else context
     return n, slot_context(per_slot, trained), per_slot

@@ -23,10 +23,18 @@ def test_np_alone_in_args_splits_the_plans_total_and_caps_each_share():
     assert launch_slots(["--parallel", "1", "-np", "4"], 2, 1024, 4096) == (4, 512, 512)
 
 
-def test_c_or_kv_unified_in_args_leave_the_total_to_the_operator():
+def test_c_in_args_leaves_the_total_to_the_operator():
     assert launch_slots(["-c", "16384"], 2, 8192, 4096) == (2, 8192, 8192)
     assert launch_slots(["-np", "3", "--ctx-size", "9000"], 2, 8192, 4096) == (2, 8192, 8192)
-    assert launch_slots(["--kv-unified"], 4, 8192, 4096) == (4, 8192, 8192)
+
+
+def test_kv_unified_is_capped_like_separate_slots():
+    """Unified slots share one cache, each up to the training context: 2 slots of a
+    1,024-trained model can use 2,048 cells, where -c 8192 was allocated (a fresh tester's
+    find)."""
+    assert launch_slots(["--kv-unified"], 2, 4096, 1024) == (2, 1024, 4096)
+    assert launch_slots(["--kv-unified"], 4, 256, 4096) == (4, 256, 256)
+    assert launch_slots(["-np", "4", "-kvu"], 2, 4096, 1024) == (4, 1024, 2048)
 
 
 def test_args_override_says_what_the_args_changed():
