@@ -591,9 +591,11 @@ class LlamaServerConfig(_Section):
     freeing a cancelled request's slot (about 0.5–2 s here, up to one prompt batch on a slow
     CPU): a shorter one restarts workers that are merely slow to free a slot."""
     crash_loop_restarts: PositiveInt = 5
-    """Restarts within ``crash_loop_window_s`` that mark a worker ``failed`` (crash loop)."""
+    """Crashes (runs that ended: exits, wedges, failed starts) within ``crash_loop_window_s``
+    that mark a worker ``failed`` (crash loop), or as many starts in a row that did not get
+    ready. (The name predates the count: each crash but the last is followed by a restart.)"""
     crash_loop_window_s: PositiveFloat = 120.0
-    """Window (s) in which ``crash_loop_restarts`` restarts count as a crash loop."""
+    """Window (s) in which ``crash_loop_restarts`` crashes count as a crash loop."""
     failed_retry_s: PositiveFloat = 300.0
     """Seconds a ``failed`` worker waits before it is tried again."""
     spare_connections: StrictBool = True

@@ -5,7 +5,7 @@ State machine (``WorkerSupervisor.state``)::
     starting ──/health 200──> ready ──exit/crash──> backoff ──delay──> starting
         │                       │ └──liveness lost──> wedged ──SIGTERM, grace, SIGKILL──> backoff
         └─startup timeout──> backoff          draining (set by the gateway: no new requests)
-    backoff ──N restarts within a window──> failed ──failed_retry_s──> starting
+    backoff ──N crashes within a window──> failed ──failed_retry_s──> starting
     any ──stop()──> stopped
 
 Liveness beyond ``/health`` (field case 11: ``/health`` ok, ``/slots`` hangs, SIGTERM
@@ -22,11 +22,13 @@ worker that accepts requests and never schedules them does not answer (field cas
 request the worker sent nothing within ``first_byte_s`` that another worker then answered
 (``note_silent``: evidence against the worker, not the request) makes it suspect: it is
 checked at once. Crash loop: ``crash_loop_restarts``
-restarts within ``crash_loop_window_s``, or as many starts in a row that ended without the
+crashes (runs that ended, ``crashes``) within ``crash_loop_window_s``, or as many starts in a row that ended without the
 worker getting ready (a worker that hangs while it loads takes ``startup_timeout_s``, 180 s,
 per try: no two of its restarts fell within the 120 s window, so it never counted as failing
 and its model's requests each waited ``queue.timeout_s``; a fresh tester's find) → ``failed``
 for ``failed_retry_s``, then retried (``retry_at`` says when, in ``time.monotonic`` seconds).
+``restarts`` counts the processes started after the first: the crash that makes the worker
+``failed`` starts none, the try after ``failed_retry_s`` is one.
 
 The supervisor never routes requests. It reports readiness through two callbacks, and the
 gateway's dispatcher only leases slots of ready workers; an optional third one hears every state
@@ -246,25 +248,29 @@ class WorkerSupervisor:
                 self.runs_ended += 1
                 if self._stopping:  # stopped meanwhile (an admin restart): no restart follows
                     break
-                self.restarts += 1
                 in_window = self._crash_loop()
                 if in_window or self._failed_starts >= self.crash_loop_restarts:
+                    # no restart now: ``restarts`` counts processes started after the first,
+                    # so the try after ``failed_retry_s`` is the next one it counts
                     self.crash_loops += 1
                     n = len(self._restart_times) if in_window else self._failed_starts
-                    what = (f"{n} restarts within {self.crash_loop_window_s:g} s" if in_window
+                    what = (f"{n} crashes within {self.crash_loop_window_s:g} s" if in_window
                             else f"{n} starts in a row did not get ready")
                     self._restart_times.clear()
                     self._failed_starts = 0
                     self._set_state("failed", f"crash loop: {what} (last: {reason}); "
                                               f"next try in {self.failed_retry_s:g} s",
                                     retry_at=time.monotonic() + self.failed_retry_s)
-                    self.log.error("worker.crash_loop", restarts=n, last_reason=reason,
+                    self.log.error("worker.crash_loop", crashes=n, last_reason=reason,
                                    retry_in_s=self.failed_retry_s)
                     self._failed_evt.set()
                     await self._sleep(self.failed_retry_s)
                     self._failed_evt.clear()
                     backoff = self.backoff_max_s
+                    if not self._stopping:
+                        self.restarts += 1
                     continue
+                self.restarts += 1
                 self._set_state("backoff", reason)
                 self.log.warning("worker.restart_scheduled", reason=reason, delay_s=backoff,
                                  restarts=self.restarts)

@@ -86,7 +86,7 @@ def test_failed_workers_refuse_queued_and_new_requests_at_once_until_an_admin_re
         for f in waiting:  # answered when the worker is marked failed (3 quick restarts)
             assert_failed_refusal(*f.result(timeout=30), since=since, within_s=10)
     w = gw.workers()[0]
-    assert w["state"] == "failed" and w["detail"].startswith("crash loop: 3 restarts")
+    assert w["state"] == "failed" and w["detail"].startswith("crash loop: 3 crashes")
     assert gw.status()["queue"]["depth"] == 0
 
     # New requests: refused at once, by both clients and in both shapes.

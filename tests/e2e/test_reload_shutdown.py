@@ -931,7 +931,7 @@ def _broken_model(name: str = "broken") -> dict:
 
 def test_admin_restart_of_a_crash_looping_worker_answers_when_it_fails(gateway_factory):
     """An admin restart returns once the new process is ready or ``failed``: a worker whose
-    every start fails reaches ``failed`` (3 restarts) within seconds, and the restart answered
+    every start fails reaches ``failed`` (3 crashes) within seconds, and the restart answered
     only at ``startup_timeout_s`` (180 s, meanwhile 9 more crash loops; a fresh tester's find)."""
     cfg = base_config(free_port(), admin={"token": "t"},
                       llama_server={"threads": 1, "restart_backoff_initial_s": 0.2,
@@ -951,9 +951,9 @@ def test_admin_restart_of_a_crash_looping_worker_answers_when_it_fails(gateway_f
     took = time.monotonic() - t0
     # not 200: scripts read that as success (`worker restart X && …`; a fresh tester's find)
     assert r.status_code == 503 and r.json()["state"] == "failed", r.text
-    assert r.json()["detail"].startswith("crash loop: 3 restarts"), r.text
+    assert r.json()["detail"].startswith("crash loop: 3 crashes"), r.text
     assert r.json()["error"].startswith("worker broken-cpu0 is not ready after its restart "
-                                        "(failed: crash loop: 3 restarts"), r.text
+                                        "(failed: crash loop: 3 crashes"), r.text
     assert took < 60, took  # the startup timeout is 180 s
     w = {w["id"]: w for w in gw.workers()}["broken-cpu0"]
     assert w["state"] == "failed" and w["crash_loops"] >= 1, w
@@ -999,7 +999,7 @@ def test_reload_whose_new_args_break_the_worker_rolls_it_back_and_stops(gateway_
         assert body["changed"] == [] and body["error"].startswith("config not fully applied: ")
         assert body["errors"] == [
             "worker demo-cpu0 did not become ready with its new settings (failed: crash loop: "
-            "3 restarts within 120 s (last: exited during startup with status 1: error: "
+            "3 crashes within 120 s (last: exited during startup with status 1: error: "
             "invalid argument: --definitely-not-a-flag)); it was "
             "started again with its previous settings, and demo-cpu1 kept theirs; the rest of "
             "the file is in effect"], body
@@ -1050,7 +1050,7 @@ def test_reload_that_adds_a_worker_that_cannot_start_removes_it_again(gateway_fa
     body = r.json()
     assert body["ok"] is False and body["rolled_back"] == ["other-cpu0"] and body["added"] == []
     assert body["errors"] == [
-        "worker other-cpu0 did not become ready (failed: crash loop: 3 restarts within 120 s "
+        "worker other-cpu0 did not become ready (failed: crash loop: 3 crashes within 120 s "
         "(last: exited during startup with status 1: error: invalid argument: "
         "--definitely-not-a-flag)); it was removed again; the rest of the file is in effect"], body
     assert body["error"] == "config not fully applied: " + body["errors"][0]
@@ -1067,7 +1067,7 @@ def test_reload_that_adds_a_worker_that_cannot_start_removes_it_again(gateway_fa
     assert [m["name"] for m in httpx.get(gw.url + "/api/ps").json()["models"]] == ["demo:latest"]
     assert other.json()["error"] == (
         "model 'other:latest' has no running worker: the config reload that added it could not "
-        "start its worker (failed: crash loop: 3 restarts within 120 s (last: exited during "
+        "start its worker (failed: crash loop: 3 crashes within 120 s (last: exited during "
         "startup with status 1: error: invalid argument: --definitely-not-a-flag)); fix the "
         "config and reload"), other.text
     metrics = httpx.get(gw.url + "/metrics").text
