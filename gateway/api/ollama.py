@@ -626,10 +626,16 @@ async def tags(request: web.Request) -> web.Response:
     return web.json_response({"models": models}, dumps=_dumps)
 
 
+#: supervisor states in which a worker has no model loaded nor is about to (``/api/ps``)
+_NOT_LOADED = frozenset({"failed", "stopped"})
+
+
 async def ps(request: web.Request) -> web.Response:
     """Every served model with a worker (the gateway keeps them loaded; a model with none, as
     none is planned here or a reload could not start it, is not), sorted by ``expires_at``
-    descending.
+    descending. A model whose every worker is ``failed`` (crash loop) or ``stopped`` has no
+    process loaded and is not listed either, as Ollama lists only loaded models
+    (``/gateway/api/workers`` still shows those workers).
 
     ``expires_at``: never, as Ollama shows a model kept forever (``ModelEntry.expires_at``: about
     292 years after the last request), since the gateway does not unload whatever ``keep_alive``
@@ -643,6 +649,8 @@ async def ps(request: web.Request) -> web.Response:
     for e, digest in zip(entries, digests):
         workers = [w for w in gw.fleet.supervisors.values() if w.spec.alias == e.name]
         if not workers:  # no worker planned here, or a reload's that did not start: not loaded
+            continue
+        if all(w.state in _NOT_LOADED for w in workers):
             continue
         gpu_workers = [w for w in workers if w.spec.gpus]
         models.append({

@@ -88,6 +88,9 @@ def test_failed_workers_refuse_queued_and_new_requests_at_once_until_an_admin_re
     w = gw.workers()[0]
     assert w["state"] == "failed" and w["detail"].startswith("crash loop: 3 crashes")
     assert gw.status()["queue"]["depth"] == 0
+    # /api/ps lists loaded models only, as Ollama does: no process of this one runs (it was
+    # listed with its failed worker; a tester's find)
+    assert oc.ps().models == []
 
     # New requests: refused at once, by both clients and in both shapes.
     for call in (lambda: oc.chat(model="demo", messages=MSGS),
@@ -119,6 +122,7 @@ def test_failed_workers_refuse_queued_and_new_requests_at_once_until_an_admin_re
     assert oc.chat(model="demo", messages=MSGS, options={"num_predict": 4}).done is True
     out = ai.chat.completions.create(model="demo", messages=MSGS, max_tokens=4)
     assert out.choices[0].finish_reason in ("stop", "length")
+    assert [m.model for m in oc.ps().models] == ["demo:latest"]
 
 
 def _long_stream(url: str, model: str) -> tuple[int, list[dict]]:
