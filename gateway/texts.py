@@ -105,11 +105,17 @@ def side_call_failed(model: str, path: str, why: str) -> str:
             f"worker in rotation, please retry")
 
 
-def side_call_crashed(model: str, path: str) -> str:
+def side_call_crashed(model: str, path: str, second: bool) -> str:
     """A worker of ``model`` exited while it computed the side call ``path`` for this request,
-    and another did too, or none other is left to try: not tried again."""
+    and another did too (``second``: evidence against the request), or none other is left to
+    try: not tried again."""
+    if second:
+        return (f"two workers of model '{model}' exited while they computed {path} for this "
+                f"request: it is not tried again (a request that crashes workers would take "
+                f"each in turn)")
     return (f"a worker of model '{model}' exited while it computed {path} for this request, "
-            f"which is not tried again (a request that crashes workers would take each in turn)")
+            f"and no other worker of the model is left to try it on; the worker is restarted, "
+            f"please retry once it is back")
 
 
 def side_call_too_big(model: str, path: str, size: int, timeout_s: float) -> str:

@@ -417,7 +417,7 @@ class Upstream:
                     raise UpstreamError(504, f"worker {lease.worker.id} sent nothing within "
                                              f"{wait_s:g} s", "first_byte_timeout") from None
                 except WorkerDown as e:
-                    err = _down_error(e, lease.worker.id, went_down or self._alone(ticket, lease))
+                    err = _down_error(e, lease.worker.id, went_down, self._alone(ticket, lease))
                     went_down = down_seen = True
                     raise err from None
                 except WorkerConnectionError as e:
@@ -437,8 +437,8 @@ class Upstream:
                     try:
                         await self._until_answer(lease.worker.id, resp, t_sent, deadline)
                     except WorkerDown as e:
-                        err = _down_error(e, lease.worker.id,
-                                          went_down or self._alone(ticket, lease))
+                        err = _down_error(e, lease.worker.id, went_down,
+                                          self._alone(ticket, lease))
                         went_down = down_seen = True
                         raise err from None
             except UpstreamError as e:
@@ -452,7 +452,7 @@ class Upstream:
                     # the retry rule of a worker that went down (a crash is seen as a plain
                     # connection reset before the supervisor sees the exit)
                     e = _down_error(WorkerDown(f"worker {lease.worker.id} exited"),
-                                    lease.worker.id, went_down or self._alone(ticket, lease))
+                                    lease.worker.id, went_down, self._alone(ticket, lease))
                     e.worker = lease.worker.id
                     went_down = True
                 if e.kind in RETRYABLE and attempt + 1 < self.attempts:
@@ -513,18 +513,25 @@ async def process_exited(ep: Endpoint | None) -> bool:
     return True
 
 
-def _down_error(e: WorkerDown, worker_id: str, no_retry: bool) -> UpstreamError:
+def _down_error(e: WorkerDown, worker_id: str, second: bool, alone: bool) -> UpstreamError:
     """The error of a request whose worker went down before it answered (``abort_worker``):
-    ``connection``, retried on another worker, the first time; ``worker_down``, not retried
-    (``no_retry``), when a worker of an earlier attempt went down while it computed this
-    request too, or when no other worker of the model is left to try. A request that freezes
-    or crashes its worker was retried on each worker of the model in turn and took all of them
-    down (a fresh tester's find); a worker that goes down for a cause of its own still has its
-    requests tried elsewhere once."""
-    if no_retry:
-        return UpstreamError(502, f"{e} while it computed this request, which is not tried "
-                                  f"again (a request that freezes or crashes workers would "
-                                  f"take each in turn)", "worker_down")
+    ``connection``, retried on another worker, the first time; ``worker_down``, not retried,
+    when a worker of an earlier attempt went down while it computed this request too
+    (``second``), or when no other worker of the model is left to try (``alone``). A request
+    that freezes or crashes its worker was retried on each worker of the model in turn and took
+    all of them down (a fresh tester's find); a worker that goes down for a cause of its own
+    still has its requests tried elsewhere once. Only ``second`` is evidence against the
+    request, and only its words say so (a one-worker model's worker killed from outside read
+    as the request's fault; a tester's find)."""
+    if second:
+        return UpstreamError(502, f"{e} while it computed this request, as did the worker it "
+                                  f"was sent to first: it is not tried again (a request that "
+                                  f"freezes or crashes workers would take each in turn)",
+                             "worker_down")
+    if alone:
+        return UpstreamError(502, f"{e} while it computed this request, and no other worker of "
+                                  f"the model is left to try it on; the worker is restarted, "
+                                  f"please retry once it is back", "worker_down")
     return UpstreamError(502, f"worker {worker_id} unreachable: {e}", "connection")
 
 

@@ -204,7 +204,8 @@ async def side_call(gw, model: str, path: str, body: dict | None = None, *,
                 # on another worker, and not on a model's only worker.
                 crashed += 1
                 if crashed >= 2 or not set(fit_workers(gw, model)) - {wid}:
-                    raise UpstreamError(502, side_call_crashed(model, path), "worker_down")
+                    raise UpstreamError(502, side_call_crashed(model, path, second=crashed >= 2),
+                                        "worker_down")
             if tried[wid] > 1:  # back on a worker already tried: do not spin
                 await asyncio.sleep(min(1.0, 0.1 * tried[wid]))
             continue
