@@ -31,6 +31,7 @@ from gateway.listen import address, bind_listen, raise_open_files_limit
 from gateway.logs import ServerLogger, get_logger
 from gateway.metrics import GatewayMetrics, worker_state
 from gateway.middleware import Guard, gateway_middleware, guard_middleware
+from gateway.open_batches import OpenBatches
 from gateway.notify import EXTEND_BY_S, EXTEND_EVERY_S, Notifier, fleet_status
 from gateway.reload import Reloader
 from gateway.scheduling import Dispatcher
@@ -80,6 +81,8 @@ class Gateway:
         #: inputs in flight before they are even queued (``gateway.api.embeddings.embed_many``):
         #: part of ``waiting_inputs`` in the status API.
         self.inputs_held: dict[int, int] = {}
+        #: embedding batches running, per model: a reload that removes the model lets them end
+        self.open_batches = OpenBatches()
         self.draining = False  # True once shutdown began: new requests get 503
         self.notifier = notifier or Notifier()
         self.ready_sent = False  # systemd READY=1 of the start-up was sent (_watch)

@@ -14,7 +14,8 @@ Then apply only the difference (:func:`gateway.config.diff_plans`):
   change), wait until ready, then the next one. Meanwhile requests go to the model's other
   workers or wait in the queue, so none is dropped. One that does not become ready stops the
   roll-out and runs its previous settings again (``Reloader._roll_out``);
-* ``removed`` workers drain and stop.
+* ``removed`` workers drain and stop; a model removed altogether first lets its running
+  embedding batches end (up to ``shutdown.drain_s``; ``gateway.open_batches``).
 
 ``llama_server`` supervision settings (startup timeout, restart backoff, stop grace, health
 and liveness probes, crash-loop guard) apply to every existing worker from its next start,
@@ -202,6 +203,7 @@ class Reloader:
         res.changed = await self._roll_out(diff.changed, drain_s,
                                            new.llama_server.startup_timeout_s, res)
         await self._check_added(diff.added, drain_s, new.llama_server.startup_timeout_s, res)
+        await self._let_batches_end(diff.removed, plans, drain_s)
         for plan in diff.removed:  # no new leases; a model left without workers is refused
             fleet.retire(plan.id)
         gw.admission.refuse_queued()  # its queued requests now, not after the drain and stop
@@ -210,6 +212,24 @@ class Reloader:
         log.info("config.reloaded", path=self.path, added=res.added, changed=res.changed,
                  removed=res.removed, unchanged=len(res.unchanged), rolled_back=res.rolled_back)
         return res
+
+    async def _let_batches_end(self, removed: list, plans: list, drain_s: float) -> None:
+        """Wait up to ``drain_s`` seconds for the embedding batches running now of the models
+        this reload removes altogether (``removed`` workers' models that no plan of ``plans``
+        serves), before their workers retire: a batch's later inputs are new tickets, which a
+        retired model refuses (``gateway.open_batches``). A model that keeps a worker needs no
+        wait: its batches' later inputs go to that worker."""
+        kept = {p.model for p in plans}
+        gone = {p.model for p in removed} - kept
+        running = self.gw.open_batches.count(gone)
+        if not running:
+            return
+        log.info("config.reload_batches_wait", models=sorted(gone), batches=running,
+                 drain_s=drain_s)
+        left = await self.gw.open_batches.wait(gone, drain_s)
+        if left:
+            log.warning("config.reload_batches_cut", models=sorted(gone), batches=left,
+                        drain_s=drain_s)
 
     async def _check_added(self, added: list, drain_s: float, ready_timeout_s: float,
                            res: ReloadResult) -> None:

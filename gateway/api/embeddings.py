@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import math
 import struct
 import time
@@ -174,25 +175,27 @@ async def embed_many(request: web.Request, entry: ModelEntry, inputs: list, trun
                                     on_admitted=on_admitted)
 
     tasks: list[asyncio.Task] = []
+    batch = gw.open_batches.running(entry.name) if len(inputs) > 1 else contextlib.nullcontext()
     try:
         refuse_early(gw, entry.name)
-        admitted = asyncio.Event()
-        tasks = [asyncio.ensure_future(one(0, inputs[0], admitted.set))]
-        try:
-            waiter = asyncio.ensure_future(admitted.wait())
-            try:  # the first input was admitted (slot or queue place), or it already failed
-                await asyncio.wait((tasks[0], waiter), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-            if admitted.is_set():
-                gw.inputs_held[held] = len(inputs) - 1
-                tasks += [asyncio.ensure_future(one(i, t)) for i, t in enumerate(inputs) if i]
-            results = await asyncio.gather(*tasks)
-        finally:  # an input failed, or the client left: the others stop and free their slots
-            gw.inputs_held.pop(held, None)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        with batch:  # a reload that removes the model lets it end (gateway.open_batches)
+            admitted = asyncio.Event()
+            tasks = [asyncio.ensure_future(one(0, inputs[0], admitted.set))]
+            try:
+                waiter = asyncio.ensure_future(admitted.wait())
+                try:  # the first input was admitted (slot or queue place), or it already failed
+                    await asyncio.wait((tasks[0], waiter), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                if admitted.is_set():
+                    gw.inputs_held[held] = len(inputs) - 1
+                    tasks += [asyncio.ensure_future(one(i, t)) for i, t in enumerate(inputs) if i]
+                results = await asyncio.gather(*tasks)
+            finally:  # an input failed, or the client left: the others stop and free their slots
+                gw.inputs_held.pop(held, None)
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
     except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
         raise admission_error(e, gw.config.queue.retry_after_s) from None
     except UpstreamError as e:

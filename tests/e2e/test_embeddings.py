@@ -299,3 +299,45 @@ def test_truncate_is_checked_on_the_load_answer_too(gw):
         assert r.status_code == 400 and r.json() == {"error": "truncate must be a boolean"}, r.text
     ok = httpx.post(gw.url + "/api/embed", json={"model": "embed", "input": ""}, timeout=30)
     assert ok.status_code == 200 and ok.json()["embeddings"] == []
+
+
+def test_a_reload_that_removes_the_model_lets_a_running_batch_end(gateway_factory):
+    """A reload that removes a model while an ``/api/embed`` batch of it runs: the batch's later
+    inputs are new tickets, which the retired model refused, so the batch was answered 404
+    ``removed`` halfway (a tester's find). The reload now lets the batches running when it began
+    end first (up to ``shutdown.drain_s``): every input is embedded, and afterwards the model is
+    gone (404) while the kept one serves."""
+    import yaml
+
+    cfg = base_config(free_port(), admin={"token": "t"}, models=[
+        embed_model(cpu=1, context=1024),
+        {"name": "demo", "path": "builtin:demo", "slots": 1, "context": 512, "cpu": 1}])
+    g = gateway_factory(cfg)
+    n = 1500
+    body = {"model": "embed", "input": [f"lorem ipsum dolor {i} " * 20 for i in range(n)]}
+    with cf.ThreadPoolExecutor(1) as ex:
+        call = ex.submit(httpx.post, g.url + "/api/embed", json=body, timeout=300)
+        end = time.monotonic() + 60
+        while httpx.get(g.url + "/gateway/api/workers", timeout=5).json()["queue"][
+                "waiting_inputs"] < n // 2:
+            assert time.monotonic() < end and not call.done(), "the batch never got going"
+            time.sleep(0.02)
+        cfg["models"].pop(0)
+        g.cfg_path.write_text(yaml.safe_dump(cfg))
+        reload = httpx.post(g.url + "/gateway/api/admin/reload",
+                            headers={"Authorization": "Bearer t"}, timeout=300)
+        r = call.result(timeout=300)
+    assert reload.status_code == 200 and reload.json()["removed"] == ["embed-cpu0"], reload.text
+    assert r.status_code == 200, r.text[:300]  # old code: 404 "model 'embed:latest' not found"
+    assert len(r.json()["embeddings"]) == n and all(len(v) > 0 for v in r.json()["embeddings"])
+    events = [json.loads(ln) for ln in g.log_path.read_text().splitlines() if ln.startswith("{")]
+    waited = [e for e in events if e["event"] == "config.reload_batches_wait"]
+    assert len(waited) == 1 and waited[0]["batches"] == 1, waited
+    assert waited[0]["models"] == ["embed:latest"], waited
+    assert not [e for e in events if e["event"] == "config.reload_batches_cut"]
+    gone = httpx.post(g.url + "/api/embed", json={"model": "embed", "input": "x"}, timeout=30)
+    assert gone.status_code == 404, gone.text
+    ok = httpx.post(g.url + "/api/generate", timeout=60, json={
+        "model": "demo", "prompt": "x", "raw": True, "stream": False,
+        "options": {"num_predict": 2}})
+    assert ok.status_code == 200, ok.text
