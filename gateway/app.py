@@ -158,11 +158,15 @@ class Gateway:
             entries.append(e)
         return paths, entries
 
-    def diff_with(self, new: GatewayConfig, plans: list[WorkerPlan]) -> PlanDiff:
+    def diff_with(self, new: GatewayConfig, plans: list[WorkerPlan],
+                  entries: list[ModelEntry] = ()) -> PlanDiff:
         """What a reload to ``new`` starts, stops and restarts; the workers of a model whose
-        file :meth:`load_models` found replaced count as changed."""
+        file :meth:`load_models` found replaced count as changed. ``entries``: the new
+        config's models (:meth:`load_models`), whose training contexts cap the compared
+        per-slot contexts as they cap the workers' own."""
         diff = diff_plans(self.plans, plans, self.config, new,
-                          self.fleet.launched if self.fleet else None)
+                          self.fleet.launched if self.fleet else None,
+                          {e.name: e.facts.context_length for e in entries})
         moved = [p for p in diff.unchanged if p.model in self.files_changed]
         if moved:
             diff = dataclasses.replace(

@@ -1307,10 +1307,16 @@ class PlanDiff:
         return bool(self.added or self.removed or self.changed)
 
 
-def fingerprint(plan: WorkerPlan, cfg: GatewayConfig | None) -> tuple:
+def fingerprint(plan: WorkerPlan, cfg: GatewayConfig | None, trained: int = 0) -> tuple:
     """What a worker of ``plan`` runs under ``cfg``, compared by :func:`diff_plans`: the plan
-    (model, GPUs, slots, context), the model's path/args/embeddings and
-    ``llama_server.binary/backend/extra_args`` (``threads`` for CPU workers)."""
+    (model, GPUs, and the ``-np`` and per-slot context it is started with: the plan's slots and
+    context after the model's args and the cap at its training context ``trained``, tokens, 0
+    unknown; ``gateway.slot_plan.launch_slots``), the model's path/args/embeddings and
+    ``llama_server.binary/backend/extra_args`` (``threads`` for CPU workers). Two contexts
+    above the training context are the same command line: a reload between them restarts
+    nothing (it restarted the workers; a tester's find)."""
+    from gateway.slot_plan import launch_slots  # slot_plan imports this module
+
     m = cfg.find_model(plan.model) if cfg is not None else None
     ls = cfg.llama_server if cfg is not None else None
     model_part = (m.path, tuple(m.args), m.embeddings) if m is not None else None
@@ -1319,7 +1325,11 @@ def fingerprint(plan: WorkerPlan, cfg: GatewayConfig | None) -> tuple:
         if ls is not None
         else None
     )
-    return (plan.model, plan.gpus, plan.slots, plan.context, model_part, server_part)
+    slots, context = plan.slots, plan.context
+    if m is not None and ls is not None:
+        slots, context, _ = launch_slots(list(ls.extra_args) + list(m.args), slots, context,
+                                         trained)
+    return (plan.model, plan.gpus, slots, context, model_part, server_part)
 
 
 def diff_plans(
@@ -1328,16 +1338,19 @@ def diff_plans(
     old_cfg: GatewayConfig | None,
     new_cfg: GatewayConfig | None,
     running: dict[str, tuple] | None = None,
+    trained: dict[str, int] | None = None,
 ) -> PlanDiff:
     """Compare worker plans by id (for hot reload).
 
     A worker present in both is ``changed`` when its settings :func:`fingerprint` differs;
     ``running`` (worker id → fingerprint) gives what a worker's process really runs where it
     differs from ``old`` under ``old_cfg`` (a reload that put a worker back on its previous
-    settings, gateway/reload.py). ``changed``/``unchanged``/``added`` hold the new plans in
-    ``new`` order; ``removed`` holds old plans in ``old`` order.
+    settings, gateway/reload.py). ``trained``: model full name → training context (tokens;
+    missing or 0: unknown), for the fingerprints' context cap. ``changed``/``unchanged``/
+    ``added`` hold the new plans in ``new`` order; ``removed`` holds old plans in ``old`` order.
     """
     running = running or {}
+    trained = trained or {}
     old_by_id = {p.id: p for p in old}
     new_ids = {p.id for p in new}
     diff = PlanDiff()
@@ -1345,7 +1358,8 @@ def diff_plans(
         prev = old_by_id.get(p.id)
         if prev is None:
             diff.added.append(p)
-        elif running.get(p.id, fingerprint(prev, old_cfg)) != fingerprint(p, new_cfg):
+        elif (running.get(p.id, fingerprint(prev, old_cfg, trained.get(prev.model, 0)))
+              != fingerprint(p, new_cfg, trained.get(p.model, 0))):
             diff.changed.append(p)
         else:
             diff.unchanged.append(p)

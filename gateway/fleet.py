@@ -199,7 +199,8 @@ class Fleet:
                               embeddings=mcfg.embeddings, extra_args=args,
                               log_verbosity=None if self.config.log.level == "debug"
                               else QUIET_LOG_VERBOSITY)
-            self.launched[plan.id] = fingerprint(plan, self.config)
+            self.launched[plan.id] = fingerprint(plan, self.config,
+                                                 facts.context_length if facts else 0)
         else:
             spec, self.launched[plan.id] = launch
             args = list(spec.extra_args)

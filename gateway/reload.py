@@ -187,7 +187,7 @@ class Reloader:
             return ReloadResult(False, [f"{self.path}: {e}"])
         old = gw.config
         new, notes = keep_restart_only(old, new)  # before the diff: a kept binary restarts none
-        diff = gw.diff_with(new, plans)
+        diff = gw.diff_with(new, plans, models[1])
         res = ReloadResult(True, added=[p.id for p in diff.added],
                            changed=[p.id for p in diff.changed],
                            removed=[p.id for p in diff.removed],

@@ -13,6 +13,7 @@ from gateway.config import (
     GatewayConfig,
     WorkerPlan,
     diff_plans,
+    fingerprint,
     load_config,
     parse_config,
     plan_workers,
@@ -407,6 +408,31 @@ def test_diff_plans_model_settings_count(tmp_path):
     assert ids(diff_plans(old, new, old_cfg, ls_cfg).changed) == ["demo-cpu0"]
     thr_cfg = parse_config({**base(cpu=1), "llama_server": {"threads": 3}})
     assert ids(diff_plans(old, new, old_cfg, thr_cfg).changed) == ["demo-cpu0"]
+
+
+def test_diff_plans_compares_contexts_after_the_training_context_cap():
+    """A reload between two contexts above the model's training context starts the same
+    command line (``-c`` is slots x the capped context): nothing restarts. Below the cap, or
+    with the training context unknown, a new context is a change."""
+    def diff(before: int, after: int, trained: dict | None):
+        old_cfg = parse_config(base(cpu=1, context=before))
+        new_cfg = parse_config(base(cpu=1, context=after))
+        return diff_plans(plan_workers(old_cfg, []), plan_workers(new_cfg, []), old_cfg, new_cfg,
+                          trained=trained)
+
+    trained = {"demo:latest": 2048}
+    assert ids(diff(4096, 8192, trained).unchanged) == ["demo-cpu0"]
+    assert ids(diff(2048, 8192, trained).unchanged) == ["demo-cpu0"]
+    assert ids(diff(1024, 8192, trained).changed) == ["demo-cpu0"]  # 1,024 -> 2,048 per slot
+    assert ids(diff(1024, 1536, trained).changed) == ["demo-cpu0"]
+    assert ids(diff(4096, 8192, None).changed) == ["demo-cpu0"]  # unknown: not capped
+    assert ids(diff(4096, 8192, {"demo:latest": 0}).changed) == ["demo-cpu0"]
+    # the process's own record (the fleet's ``launched``) is compared the same way
+    cfg = parse_config(base(cpu=1, context=4096))
+    (plan,) = plan_workers(cfg, [])
+    assert fingerprint(plan, cfg, 2048) == fingerprint(
+        plan_workers(parse_config(base(cpu=1, context=8192)), [])[0],
+        parse_config(base(cpu=1, context=8192)), 2048)
 
 
 def test_worker_id_clash():

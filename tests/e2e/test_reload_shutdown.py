@@ -1479,3 +1479,28 @@ def test_a_worker_a_reload_restarts_during_start_up_is_not_reported_failed(tmp_p
         assert {w["state"] for w in gw.workers()} == {"ready"}
     finally:
         stop_and_check_no_worker_left(gw)
+
+
+def test_a_reload_between_two_contexts_above_the_training_context_restarts_nothing(
+        gateway_factory):
+    """The demo model is trained for 4,096 tokens, so ``context`` 8192 and 16384 both start
+    ``-c 4096`` for one slot: a reload between them restarted the worker for the same command
+    line (a tester's find). Now it is unchanged: same process; one to 2048 restarts it."""
+    cfg = base_config(free_port(), admin={"token": "t"}, models=[
+        {"name": "demo", "path": "builtin:demo", "slots": 1, "context": 8192, "cpu": 1}])
+    gw = gateway_factory(cfg)
+    before = gw.workers()[0]
+    cfg["models"][0]["context"] = 16384
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    r = _reload(gw)
+    assert r.status_code == 200, r.text
+    assert (r.json()["changed"], r.json()["unchanged"]) == ([], ["demo-cpu0"]), r.text
+    assert gw.workers()[0]["pid"] == before["pid"]
+    cfg["models"][0]["context"] = 2048
+    gw.cfg_path.write_text(yaml.safe_dump(cfg))
+    r = _reload(gw)
+    assert r.status_code == 200 and r.json()["changed"] == ["demo-cpu0"], r.text
+    after = gw.workers()[0]
+    assert after["pid"] != before["pid"] and after["state"] == "ready", after
+    ps = httpx.get(gw.url + "/api/ps", timeout=10).json()["models"]
+    assert ps[0]["context_length"] == 2048, ps
