@@ -200,7 +200,8 @@ def _fleet_sizes(text: str) -> tuple[int, ...]:
 
 
 def _check_files(cfg) -> tuple[list[str], dict[str, int]]:
-    """What ``serve`` would refuse: an unusable llama-server binary (no build is started here)
+    """What ``serve`` would refuse or fail on: an unusable llama-server binary (missing, not executable, or
+    one whose ``--version`` fails: ``workers.provision.check_runs``; no build is started here)
     or a model path that is not a readable GGUF. Returns key-path error lines, and each model's
     trained context (full name -> tokens, 0 unknown) from its GGUF (the built-in demo model's
     file when it was written already, else its default)."""
@@ -208,14 +209,17 @@ def _check_files(cfg) -> tuple[list[str], dict[str, int]]:
 
     from gateway.inventory import GGUFFacts
     from workers.demo_model import N_CTX_TRAIN, demo_model_path
-    from workers.provision import ProvisionError, find_llama_server
+    from workers.provision import ProvisionError, check_runs, find_llama_server
 
     problems, trained = [], {}
     ls = cfg.llama_server
     try:
-        if find_llama_server(ls.binary, None if ls.backend == "auto" else ls.backend) is None:
+        found = find_llama_server(ls.binary, None if ls.backend == "auto" else ls.backend)
+        if found is None:
             sys.stderr.write("llama-gateway: no llama-server found; `serve` will build one "
                              "(or run `llama-gateway install-llama-server`)\n")
+        else:
+            check_runs(found)  # it exists and is executable; does it start at all?
     except ProvisionError as e:
         problems.append(f"llama_server.binary: {e}")
     for i, m in enumerate(cfg.models):

@@ -47,6 +47,34 @@ def test_missing_llama_server_binary(tmp_path, verb):
     assert "Traceback" not in r.stderr
 
 
+def test_check_config_runs_the_binary(tmp_path):
+    """A llama-server copied without its shared libraries exists and is executable, so
+    check-config printed the plan and every worker start then failed (exit 127); it now runs
+    ``--version`` and names the loader's error. A wrapper that fails says its own last line;
+    the real binary passes."""
+    from tests.fakes import failing_wrapper, lonely_binary
+    from workers.provision import ensure_llama_server
+    lonely = lonely_binary(tmp_path, str(ensure_llama_server()))
+    wrapper = failing_wrapper(tmp_path, "wrapper: /opt/llama is not mounted", 3)
+    cfg = tmp_path / "g.yaml"
+
+    def check(binary):
+        cfg.write_text(f"listen: 127.0.0.1:0\nllama_server: {{binary: {binary}}}\n"
+                       "models:\n  - {name: m, path: builtin:demo, cpu: 1}\n")
+        return run("check-config", "-c", str(cfg))
+
+    r = check(lonely)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert f"{cfg}: llama_server.binary: {lonely} does not run: `--version` ended with " \
+        in r.stderr and "error while loading shared libraries" in r.stderr, r.stderr
+    assert "(exit status 127)" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = check(wrapper)
+    assert r.returncode == 2 and (f"{wrapper} does not run: `--version` ended with wrapper: "
+                                  "/opt/llama is not mounted (exit status 3)") in r.stderr, r.stderr
+    r = check(ensure_llama_server())
+    assert r.returncode == 0 and r.stdout.startswith("m-cpu0\t"), (r.stdout, r.stderr)
+
+
 def test_simulate_takes_a_calibration_file_as_profile(tmp_path):
     prof = tmp_path / "cal.json"
     prof.write_text('{"profile": {"name": "cal", "prefill_tps": 20000, "decode_s1": 0.0002, '

@@ -302,6 +302,31 @@ def llama_server_version(binary: Path) -> str:
     )
 
 
+def check_runs(binary: Path, timeout_s: float = 30) -> None:
+    """Raise ProvisionError (``<binary> does not run: <why>``) when ``binary --version`` cannot
+    be executed or exits non-zero: a llama-server copied without its shared libraries (the
+    dynamic loader's ``error while loading shared libraries: …``, exit 127), a build for
+    another CPU (SIGILL) or a wrapper that fails. ``check-config`` found such a binary fine and
+    every worker start then failed. ``why`` is the last line the binary wrote (stderr, else
+    stdout) or its exit status; ``timeout_s`` bounds the run (seconds)."""
+    try:
+        proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ProvisionError(f"{binary} does not run: `--version` gave no answer within "
+                             f"{timeout_s:g} s") from None
+    except OSError as exc:
+        raise ProvisionError(f"{binary} does not run: {exc.strerror or exc}") from None
+    if proc.returncode == 0:
+        return
+    lines = [ln.strip() for ln in ((proc.stderr or "") or (proc.stdout or "")).splitlines()
+             if ln.strip()]
+    status = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+              else f"exit status {proc.returncode}")
+    why = f"{lines[-1]} ({status})" if lines else status
+    raise ProvisionError(f"{binary} does not run: `--version` ended with {why}")
+
+
 # --------------------------------------------------------------------------------------------- build
 
 

@@ -97,3 +97,22 @@ def slow_start_binary(tmp_path: Path, real: str, sleep_s: float, *, first: int =
         f"exec '{real}' \"$@\"\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script, counter
+
+
+def lonely_binary(tmp_path: Path, real: str) -> Path:
+    """A copy of the real llama-server ``real`` without the shared libraries of its build
+    folder (not a fake: the dynamic loader refuses to start it, exit status 127)."""
+    import shutil
+    lonely = tmp_path / "lonely" / "llama-server"
+    lonely.parent.mkdir()
+    shutil.copy2(real, lonely)
+    return lonely
+
+
+def failing_wrapper(tmp_path: Path, line: str, status: int) -> Path:
+    """A FAKE llama-server: a shell wrapper that writes ``line`` on stderr and exits with
+    ``status`` whatever it is asked (``--version`` included)."""
+    wrapper = tmp_path / "wrapper.sh"
+    wrapper.write_text(f"#!/bin/sh\necho '{line}' >&2\nexit {status}\n")
+    wrapper.chmod(0o755)
+    return wrapper

@@ -388,13 +388,9 @@ def test_a_binary_without_its_libraries_names_the_loaders_error(tmp_path):
     """llama-server copied out of its build folder without its shared libraries exits 127;
     the start-up reason names the loader's line (a fresh tester's find: the cause was nowhere
     in the log), and a wrapper's own last line is the reason when it writes no error line."""
-    import shutil
-    lonely = tmp_path / "lonely" / "llama-server"
-    lonely.parent.mkdir()
-    shutil.copy2(ensure_llama_server(), lonely)
-    wrapper = tmp_path / "wrapper.sh"
-    wrapper.write_text("#!/bin/sh\necho 'wrapper: the model share is not mounted' >&2\nexit 3\n")
-    wrapper.chmod(0o755)
+    from tests.fakes import failing_wrapper, lonely_binary
+    lonely = lonely_binary(tmp_path, str(ensure_llama_server()))
+    wrapper = failing_wrapper(tmp_path, "wrapper: the model share is not mounted", 3)
 
     async def run(binary):
         p = WorkerProcess(spec(binary=binary, model_path=tmp_path / "missing.gguf", gpus=()),
