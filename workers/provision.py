@@ -42,6 +42,13 @@ LLAMA_CPP_PYTHON_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36
 _SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
 _PROGRESS_RE = re.compile(r"^\[\s*(\d{1,3})%\]")
 _LOG_TAIL_LINES = 60
+#: Lines of a failed build step that say what failed (CMake's ``CMake Error at …`` block, a
+#: compiler's ``error:``), quoted before the log's tail: with no CUDA toolkit the configure
+#: step's cause was above 60 lines of git's warnings about the sdist having no repository.
+_ERROR_RE = re.compile(r"CMake Error|Could NOT find|No CMAKE_\w+_COMPILER|\berror:|"
+                       r"\bError \d+\b|fatal error", re.IGNORECASE)
+_GIT_NOISE_RE = re.compile(r"^(fatal|warning): .*(git|repository)", re.IGNORECASE)
+_ERROR_LINES = 24  # at most this many quoted lines (each match and the 3 lines after it)
 
 
 class ProvisionError(RuntimeError):
@@ -353,6 +360,19 @@ def _tail(path: Path, n: int = _LOG_TAIL_LINES) -> str:
         return ""
 
 
+def _error_lines(lines: list[str]) -> str:
+    """The lines of a failed step's output that name its errors (``_ERROR_RE``, each with the
+    3 lines after it, as CMake's message continues on indented lines; git's own ``fatal:`` /
+    ``warning:`` lines are not errors here), at most ``_ERROR_LINES``; "" when none."""
+    keep: list[int] = []
+    for i, line in enumerate(lines):
+        if _ERROR_RE.search(line) and not _GIT_NOISE_RE.match(line):
+            keep.extend(j for j in range(i, min(i + 4, len(lines))) if not keep or j > keep[-1])
+        if len(keep) >= _ERROR_LINES:
+            break
+    return "".join(lines[j] for j in keep[:_ERROR_LINES])
+
+
 def _run_logged(cmd: list[str], log_path: Path, step: str, *, progress: bool = False) -> None:
     """Run ``cmd``, appending its output to ``log_path``; raise ProvisionError with the tail on failure.
 
@@ -378,8 +398,10 @@ def _run_logged(cmd: list[str], log_path: Path, step: str, *, progress: bool = F
         except OSError as exc:
             raise ProvisionError(f"llama-server build step {step!r} could not start: {exc}") from exc
         assert proc.stdout is not None
+        seen: deque[str] = deque(maxlen=20000)  # this step's output, for _error_lines
         for line in proc.stdout:
             out.write(line)
+            seen.append(line)
             if progress:
                 m = _PROGRESS_RE.match(line)
                 if m:
@@ -395,10 +417,13 @@ def _run_logged(cmd: list[str], log_path: Path, step: str, *, progress: bool = F
         out.write(f"# exit {rc}\n")
     if rc != 0:
         tail = _tail(log_path)
-        log.error("llama_server.build.failed", step=step, rc=rc, log=str(log_path))
+        errors = _error_lines(list(seen))
+        log.error("llama_server.build.failed", step=step, rc=rc, log=str(log_path),
+                  errors=errors.splitlines()[:4] or None)
+        quoted = f"--- errors ---\n{errors}" if errors and errors not in tail else ""
         raise ProvisionError(
             f"llama-server build step {step!r} failed (exit {rc}); full log: {log_path}\n"
-            f"--- last lines ---\n{tail}"
+            f"{quoted}--- last lines ---\n{tail}"
         )
 
 

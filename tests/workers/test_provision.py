@@ -354,6 +354,34 @@ def test_build_failure_raises_with_log_tail(tmp_path):
     assert "exit 2" in str(exc.value)
 
 
+def test_build_failure_quotes_the_error_above_a_long_tail(tmp_path):
+    """A configure step whose CMake error is followed by more than the tail's 60 lines (git's
+    warnings about the sdist having no repository, then CMake's own) quotes the error block
+    first (a CUDA configure failure was buried under git warnings); git's ``fatal:`` lines are
+    not quoted as errors."""
+    noise = "\n".join(f"echo 'fatal: not a git repository (or any parent up to /): {i}'"
+                      for i in range(80))
+    fake = make_fake_exe(tmp_path / "fake-cmake", (
+        "echo '-- The C compiler identification is GNU 13.2.0'\n"
+        "echo 'CMake Error at ggml/src/ggml-cuda/CMakeLists.txt:183 (message):'\n"
+        "echo '  CUDA Toolkit not found'\n"
+        "echo ''\n"
+        "echo '-- Configuring incomplete, errors occurred!'\n"
+        f"{noise}\nexit 1"))
+    with pytest.raises(ProvisionError) as exc:
+        provision._run_logged([str(fake)], tmp_path / "build.log", "configure")
+    msg = str(exc.value)
+    head, _, tail = msg.partition("--- last lines ---")
+    assert "--- errors ---\nCMake Error at ggml/src/ggml-cuda/CMakeLists.txt:183 (message):\n" \
+        "  CUDA Toolkit not found\n" in head, msg
+    assert "fatal: not a git" not in head and "CUDA Toolkit not found" not in tail, msg
+    # an error already in the tail is not quoted twice
+    with pytest.raises(ProvisionError) as exc:
+        provision._run_logged([str(make_fake_exe(tmp_path / "short", "echo 'error: it broke'\nexit 2"))],
+                              tmp_path / "b2.log", "build")
+    assert "--- errors ---" not in str(exc.value) and "error: it broke" in str(exc.value)
+
+
 def test_build_returns_existing_cached_binary_without_building(isolated, monkeypatch):
     fake_cached = make_fake_exe(cached_binary_path("cpu"))
     monkeypatch.setattr(provision.shutil, "which", lambda name: "/usr/bin/cmake")
