@@ -104,6 +104,13 @@ def check_schema(schema, where: str) -> None:
             if bad:
                 raise ApiError(400, f"{path}.pattern: repetition {bad} has its maximum below "
                                     f"its minimum")
+            cost, where_ = regex_nested_cost(node["pattern"])
+            if cost > NESTED_POSITIONS_MAX:
+                raise ApiError(400, f"{path}.pattern: the nested repetition {where_} has about "
+                                    f"{cost} positions the worker's grammar would track at "
+                                    f"once (at most {NESTED_POSITIONS_MAX}); give the inner "
+                                    f"part a fixed end, such as a delimiter, or lower the "
+                                    f"counts")
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and ref not in refs:
             refs.add(ref)
@@ -184,6 +191,105 @@ def _regex_bad_repetition(pattern: str) -> str:
             i = j
         i += 1
     return ""
+
+
+#: Most grammar positions one bounded repetition of an ambiguous group may multiply out to
+#: (:func:`regex_nested_cost`). llama.cpp's grammar sampler keeps one stack per position a
+#: partial answer can be in and matches every vocabulary token against each of them; a group
+#: whose iterations have no fixed end (``(a{0,100}){0,100}``: any "a" can end one and start
+#: the next) leaves up to its count times its inner positions live at once. Measured on the
+#: pinned llama-server with the demo model: ``(a{0,20}){0,20}`` (400) 0.11 s for its answer,
+#: ``((a{0,10}){0,10}){0,10}`` (1,000) 1.1 s for 4 tokens, ``(a{0,10}b?){0,100}`` (1,100)
+#: 7.8 s for 6 tokens, ``(a{0,141}){0,141}`` 6.8 s for 5; at 400 x 400 the worker's main loop
+#: stopped answering and the gateway killed it as wedged, then the retried request killed the
+#: next one (a fresh tester's find). Delimited groups such as ``(\w{1,50} ){0,100}``
+#: (0.07 s for 64 tokens) have one live position and are not counted.
+NESTED_POSITIONS_MAX = 500
+
+_QUANT = re.compile(r"\*\??|\+\??|\?\??|\{(\d+)(,(\d*))?\}\??")
+
+
+def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int]:
+    """The quantifier at ``pattern[i:]``: (minimum, maximum or None when unbounded, its
+    length); (1, 1, 0) when none is there."""
+    m = _QUANT.match(pattern, i)
+    if not m:
+        return 1, 1, 0
+    q = m.group(0).rstrip("?") or "?"
+    if q == "*":
+        return 0, None, m.end() - i
+    if q == "+":
+        return 1, None, m.end() - i
+    if q == "?":
+        return 0, 1, m.end() - i
+    lo = int(m.group(1))
+    hi = lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None)
+    return lo, hi, m.end() - i
+
+
+def regex_nested_cost(pattern: str) -> tuple[int, str]:
+    """(the largest number of grammar positions a bounded repetition of an undelimited group
+    in the regex ``pattern`` multiplies out to, that repetition's text), or (0, ""). A group
+    is undelimited when its last item (of any alternative) repeats a varying number of times
+    or it can match nothing; its positions are the sum of its items' maximum counts times
+    their own positions (unbounded ``*``/``+`` count once: llama.cpp writes them as one
+    recursive rule). Escapes and character classes are single items; the pattern is read as
+    llama.cpp's json-schema-to-grammar reads it, without validating it."""
+    # one frame per open group: [positions so far, last item variable, all items nullable,
+    # undelimited (an alternative so far), start index]
+    stack: list[list] = [[0, False, True, False, 0]]
+    worst: tuple[int, str] = (0, "")
+    i, n = 0, len(pattern)
+
+    def item(positions: int, undelimited: bool, start: int, end: int) -> int:
+        nonlocal worst
+        lo, hi, qlen = _quantifier(pattern, end)
+        frame = stack[-1]
+        if hi is not None and hi > 1 and undelimited:
+            cost = hi * positions
+            if cost > worst[0]:
+                worst = (cost, pattern[start:end + qlen])
+        frame[0] += positions * (hi if hi is not None else 1)
+        frame[1] = hi is None or lo != hi
+        frame[2] = frame[2] and (lo == 0 or (undelimited and positions == 0))
+        return end + qlen
+
+    while i < n:
+        c = pattern[i]
+        if c == "(":
+            j = i + 1
+            if pattern.startswith("?:", j):
+                j += 2
+            stack.append([0, False, True, False, i])
+            i = j
+        elif c == ")" and len(stack) > 1:
+            positions, last_var, nullable, undelim, start = stack.pop()
+            undelim = undelim or last_var or nullable
+            i = item(max(positions, 1), undelim, start, i + 1)
+        elif c == "|":
+            f = stack[-1]
+            f[3] = f[3] or f[1] or f[2]
+            f[1], f[2] = False, True
+            i += 1
+        elif c in "^$":
+            i += 1
+        else:
+            start = i
+            if c == "\\":
+                i += 2
+            elif c == "[":
+                j = i + 1
+                if j < n and pattern[j] == "^":
+                    j += 1
+                if j < n and pattern[j] == "]":
+                    j += 1
+                while j < n and pattern[j] != "]":
+                    j += 2 if pattern[j] == "\\" else 1
+                i = j + 1
+            else:
+                i += 1
+            i = item(1, False, start, i)
+    return worst
 
 
 def check_grammar(text, where: str) -> None:

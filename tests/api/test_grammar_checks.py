@@ -4,7 +4,8 @@ are refused with 400; everything else passes to the worker unchanged."""
 import pytest
 
 from gateway.api.errors import ApiError
-from gateway.api.grammar_checks import COUNT_MAX, check_grammar, check_schema, check_tools
+from gateway.api.grammar_checks import (COUNT_MAX, NESTED_POSITIONS_MAX, check_grammar,
+                                         check_schema, check_tools, regex_nested_cost)
 
 
 @pytest.mark.parametrize("schema, says", [
@@ -84,6 +85,44 @@ def test_unsatisfiable_bounds_are_400_naming_where(schema, says):
 ])
 def test_satisfiable_or_other_schemas_pass(schema):
     check_schema(schema, "format")
+
+
+@pytest.mark.parametrize("pattern, cost", [
+    # a fresh tester's find: 400 x 400 froze the worker and, retried, the next one
+    ("^(a{0,600}){0,600}$", 360_000),
+    ("^(a{0,10}b?){0,100}$", 1_100),       # 7.8 s for 6 tokens on the demo model
+    ("^((a{0,10}){0,10}){0,10}$", 1_000),  # three levels
+    ("^(a{2,4}){0,600}$", 2_400),
+    ("^(ab|a{0,100}){0,100}$", 10_200),    # one alternative without a fixed end
+    ("^(?:a{0,30}){0,30}$", 900),          # a non-capturing group is a group too
+    ("(a{0,20}){0,20}", 400),              # counted, and let through (0.11 s)
+    ("^([a-z]+ ?){1,20}$", 40),
+])
+def test_nested_repetitions_of_undelimited_groups_are_counted(pattern, cost):
+    assert regex_nested_cost(pattern)[0] == cost
+    if cost > NESTED_POSITIONS_MAX:
+        with pytest.raises(ApiError) as e:
+            check_schema({"type": "string", "pattern": pattern}, "format")
+        assert e.value.status == 400 and e.value.message.startswith(
+            f"format.pattern: the nested repetition ") and f"about {cost} positions" in \
+            e.value.message, e.value.message
+    else:
+        check_schema({"type": "string", "pattern": pattern}, "format")
+
+
+@pytest.mark.parametrize("pattern", [
+    r"^(\w{1,50} ){0,100}$",   # each word ends at its space: one live position (0.07 s)
+    "^(a{600}){0,600}$",       # a fixed count inside
+    "^(a{0,600})*$",            # unbounded: one recursive rule
+    "^a{0,600}a{0,600}$",       # not nested
+    r"^((25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)$",
+    r"^(?:[a-f0-9]{2}:){5}[a-f0-9]{2}$",
+    "^[(a{0,600}){0,600}]$",    # a character class, not a group
+    r"^\(a{0,600}\){0,600}$",  # escaped parentheses
+])
+def test_delimited_or_flat_repetitions_are_not_counted(pattern):
+    assert regex_nested_cost(pattern) == (0, "")
+    check_schema({"type": "string", "pattern": pattern}, "format")
 
 
 @pytest.mark.parametrize("grammar, bad", [

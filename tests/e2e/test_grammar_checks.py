@@ -50,6 +50,17 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4,
                              "json_schema": {"type": "string", "minLength": 9, "maxLength": 2}},
          "json_schema: minLength (9)"),
+        # nested repetitions of an undelimited group: the worker's grammar sampler tracks
+        # 360,000 positions and its main loop stops answering (a fresh tester's find: both
+        # workers wedged and restarted, and a stream of another client was cut)
+        ("/api/chat", {"model": "demo", "messages": MSGS, **opts,
+                       "format": {"type": "string", "pattern": "^(a{0,600}){0,600}$"}},
+         "format.pattern: the nested repetition (a{0,600}){0,600} has about 360000 positions"),
+        ("/v1/chat/completions", {"model": "demo", "messages": MSGS, "max_tokens": 4,
+                                  "response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "x", "schema": {"type": "string",
+                                                              "pattern": "^(a{0,200}){0,200}$"}}}},
+         "response_format.json_schema.schema.pattern: the nested repetition"),
     ]
     for path, body, says in cases:
         t0 = time.monotonic()
@@ -67,6 +78,11 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         "model": "demo", "messages": MSGS, "max_tokens": 4, "grammar": 'root ::= "a"{2,5}'})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in (
         "aa", "aaa", "aaaa", "aaaaa"), ok.text
+    # a delimited one is served at once (each word ends at its space)
+    ok = httpx.post(gw.url + "/api/chat", timeout=60, json={
+        "model": "demo", "messages": MSGS, **opts,
+        "format": {"type": "string", "pattern": "^(\\w{1,50} ){0,100}$"}})
+    assert ok.status_code == 200, ok.text
     w = gw.workers()[0]
     assert w["state"] == "ready" and w["restarts"] == 0, w  # never wedged
 
