@@ -44,6 +44,10 @@ from workers.provision import ProvisionError, cache_root, ensure_llama_server
 
 log = get_logger("gateway.app")
 
+#: Names whose ``Gateway.model_config`` answer is remembered (per config; names come from
+#: requests, so the memo is bounded).
+MODEL_CONFIG_MEMO = 256
+
 
 async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:
     """Every response, streamed ones too, carries the request's X-Request-ID."""
@@ -57,6 +61,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, config_path: str | None = None,
                  notifier: Notifier | None = None):
         self.config = config
+        self._model_configs: tuple[GatewayConfig | None, dict] = (None, {})  # model_config
         self.inventory: Inventory | None = None
         #: models whose file the last ``load_models`` found replaced in place (full names)
         self.files_changed: set[str] = set()
@@ -93,10 +98,19 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
 
     def model_config(self, name: str) -> ModelConfig | None:
-        for m in self.config.models:
-            if m.full_name.lower() == full_name(name).lower():
-                return m
-        return None
+        """The ``models:`` entry whose full name ``name`` is (any case), or None. Answers are
+        remembered per ``config`` object (a reload replaces it), for up to
+        ``MODEL_CONFIG_MEMO`` names: a request looked its model up three times."""
+        config, memo = self._model_configs
+        if config is not self.config:
+            config, memo = self._model_configs = (self.config, {})
+        if name in memo:
+            return memo[name]
+        key = full_name(name).lower()
+        found = next((m for m in config.models if m.full_name.lower() == key), None)
+        if len(memo) < MODEL_CONFIG_MEMO:
+            memo[name] = found
+        return found
 
     def context_per_slot(self, name: str) -> int:
         """Real per-slot context (tokens) read back from a worker's ``/slots``; before any worker

@@ -27,7 +27,7 @@ from gateway.scheduling import make_scorer
 from gateway.scheduling.scorer import keep_prefix_index
 from gateway.scheduling.slot_leaks import SlotLeak, SlotLeakWatch
 from gateway.slot_plan import launch_slots
-from gateway.sizing import Ratios, SizeEstimate, dense_bytes, estimate, wide_bytes
+from gateway.sizing import Ratios, SizeEstimate, dense_bytes, estimate_with, wide_bytes
 from gateway.speed import SpeedBoard
 from gateway.upstream import Endpoint
 from workers.gpu import read_gpu_stats
@@ -600,12 +600,9 @@ class Fleet:
         ``counted_tokens``: its single prompt's tokens counted by a worker, if known)."""
         sc = self.config.scheduler
         n_ctx = max((w.n_ctx for w in self.admission.dispatcher.workers_for(model)), default=0)
-        r = self.ratios_of(model)
-        return estimate(body, bytes_per_token=r.ascii, wide_bytes_per_token=r.wide,
-                        dense_bytes_per_token=r.dense,
-                        prefix_bytes=sc.prefix_bytes,
-                        unknown_num_predict=sc.unknown_num_predict_tokens, n_ctx=n_ctx,
-                        counted_tokens=counted_tokens)
+        return estimate_with(body, self.ratios_of(model), prefix_bytes=sc.prefix_bytes,
+                             unknown_num_predict=sc.unknown_num_predict_tokens, n_ctx=n_ctx,
+                             counted_tokens=counted_tokens)
 
     def gpu_of(self, worker_id: str | None) -> str | None:
         """The worker's ``LaunchSpec.gpu_label`` ("0", "1,3", "cpu"); None for an unknown id."""

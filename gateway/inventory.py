@@ -215,8 +215,15 @@ def capabilities(*, embeddings: bool, template: str, has_fim: bool, vision: bool
     (``<think>``, ``enable_thinking``, ``reasoning_content`` or another tag pair of
     ``thinking_split.TAG_PAIRS``).
     """
+    return list(_capabilities(embeddings, template, has_fim, vision))
+
+
+@functools.lru_cache(maxsize=64)
+def _capabilities(embeddings: bool, template: str, has_fim: bool, vision: bool) -> tuple[str, ...]:
+    """:func:`capabilities`, remembered: every generate and chat request asks, and each answer
+    searched the whole chat template (kilobytes for many models) four times."""
     if embeddings:
-        return ["embedding"]
+        return ("embedding",)
     caps = ["completion"]
     if "tools" in template:
         caps.append("tools")
@@ -227,7 +234,7 @@ def capabilities(*, embeddings: bool, template: str, has_fim: bool, vision: bool
     if any(k in template for k in ("<think>", "enable_thinking", "reasoning_content")) \
             or think_tags(template):
         caps.append("thinking")
-    return caps
+    return tuple(caps)
 
 
 #: Longest wait (s) of ``/api/tags`` / ``/api/ps`` for a model file's hash still being computed.

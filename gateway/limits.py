@@ -114,9 +114,9 @@ def _too_large(max_bytes: int, what: str = "") -> ApiError:
 
 def declared_too_large(request: web.Request, max_bytes: int) -> ApiError | None:
     """The 413 for a body whose ``Content-Length`` is over ``max_bytes`` bytes, else None."""
-    if request.content_length is not None and request.content_length > max_bytes:
-        return ApiError(413, f"request body too large: {request.content_length} bytes, "
-                             f"the limit is {max_bytes}")
+    length = request.content_length  # parsed from the header on every read
+    if length is not None and length > max_bytes:
+        return ApiError(413, f"request body too large: {length} bytes, the limit is {max_bytes}")
     return None
 
 
@@ -137,8 +137,9 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     """
     # Repeated header lines are one comma-separated list (RFC 9110 §5.3): "gzip" then "br" on
     # two lines is "gzip, br", which is refused like the same list on one line.
-    encoding = ", ".join(v.strip() for v in request.headers.getall("Content-Encoding", ())
-                         if v.strip()).lower() or "identity"
+    codings = request.headers.getall("Content-Encoding", ())
+    encoding = (", ".join(v.strip() for v in codings if v.strip()).lower()
+                if codings else "") or "identity"
     if encoding not in BODY_ENCODINGS:
         raise ApiError(415, f"unsupported Content-Encoding '{header_text(encoding)}': the gateway "
                             "accepts gzip, deflate or an uncompressed body",

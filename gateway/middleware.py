@@ -131,8 +131,8 @@ async def guard_middleware(request: web.Request, handler):
     OpenAI answers a model the key has no access to) → prompt length (400) → per-key
     concurrency and rate (429, with Retry-After). Errors come in the route's shape.
     """
-    gw = request.app["gw"]
-    guard: Guard = request.app["guard"]
+    app = request.app  # a property chain: looked up once
+    gw, guard = app["gw"], app["guard"]
     try:
         return await guard.run(request, handler, gw)
     except ApiError as e:

@@ -134,9 +134,12 @@ def content_text(content) -> str:
     return ""
 
 
-def _chain_parts(body: dict, ratios: Ratios, prefix_bytes: int) -> list[tuple[bytes, int]]:
+def _chain_parts(body: dict, ratios: Ratios, prefix_bytes: int,
+                 prompt_tokens: int | None = None) -> list[tuple[bytes, int]]:
     """The parts ``prefix_chain`` hashes: one per chat message (role and text), else slices of
-    a plain prompt (string or token ids) at doubling boundaries."""
+    a plain prompt (string or token ids) at doubling boundaries. ``prompt_tokens``: the
+    estimated tokens of a string ``prompt`` when the caller has them (then a prompt of at most
+    ``prefix_bytes`` bytes, one part, is not estimated again)."""
     msgs = body.get("messages")
     bytes_per_token = ratios.ascii
 
@@ -152,6 +155,8 @@ def _chain_parts(body: dict, ratios: Ratios, prefix_bytes: int) -> list[tuple[by
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         data: bytes | list = prompt.encode()
+        if prompt_tokens is not None and len(data) <= prefix_bytes:
+            return [(data, prompt_tokens)]
         first = prefix_bytes
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         data = prompt
@@ -259,7 +264,15 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
     own (other kinds count 0 tokens: the worker still refuses one too long); the estimate
     combines them as :class:`SizeEstimate` says, with no prefix key (one prompt in a list is
     sized and keyed as that prompt)."""
-    ratios = Ratios(bytes_per_token, wide_bytes_per_token, dense_bytes_per_token)
+    return estimate_with(body, Ratios(bytes_per_token, wide_bytes_per_token, dense_bytes_per_token),
+                         prefix_bytes=prefix_bytes, unknown_num_predict=unknown_num_predict,
+                         n_ctx=n_ctx, counted_tokens=counted_tokens)
+
+
+def estimate_with(body: dict, ratios: Ratios, *, prefix_bytes: int, unknown_num_predict: int,
+                  n_ctx: int = 0, counted_tokens: int | None = None) -> SizeEstimate:
+    """:func:`estimate` with a model's :class:`Ratios` as the fleet keeps them (none built per
+    request)."""
     several = prompts_of(body)
     if several is not None and len(several) == 1:
         body, several = {**body, "prompt": several[0]}, None
@@ -278,6 +291,7 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
                             slots=len(several) * choices(body), prompts=len(several))
     flat, size = prompt_head_and_size(body)
     prompt, refuse = _prompt_tokens(size, flat, ratios)
+    estimated = prompt
     if counted_tokens is not None:
         prompt = refuse = counted_tokens
     est = prompt + gen
@@ -286,6 +300,8 @@ def estimate(body: dict, *, bytes_per_token: float, prefix_bytes: int,
     key = None
     if flat:
         key = int.from_bytes(hashlib.blake2b(flat[:prefix_bytes], digest_size=8).digest(), "big")
-    chain = prefix_chain(_chain_parts(body, ratios, prefix_bytes))
+    one_text = isinstance(body.get("prompt"), str) and not isinstance(body.get("messages"), list)
+    chain = prefix_chain(_chain_parts(body, ratios, prefix_bytes,
+                                      estimated if one_text else None))
     return SizeEstimate(prompt_tokens=refuse, est_tokens=est, prefix_key=key, prefix_chain=chain,
                         prefill_tokens=prompt, slots=choices(body))

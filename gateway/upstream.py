@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -35,7 +36,8 @@ from gateway.texts import (DEADLINE_MESSAGE, KV_EXHAUSTED_MESSAGE, KV_EXHAUSTED_
                           OUT_OF_DESCRIPTORS, context_overflow, shutting_down_running)
 from gateway.watchdog import StreamWatch, Watchdog
 from gateway.worker_http import (SpareConnections, WorkerConnectionError, WorkerDown,
-                                 WorkerPayloadError, WorkerResponse, out_of_descriptors, send)
+                                 WorkerPayloadError, WorkerResponse, out_of_descriptors,
+                                 send_connected, send_on_spare)
 
 log = get_logger("gateway.upstream")
 
@@ -57,8 +59,15 @@ class Endpoint:
 
     @property
     def host_port(self) -> tuple[str, int]:
-        hp = urlsplit(self.url)
-        return hp.hostname or "127.0.0.1", hp.port or 80
+        return _host_port(self.url)
+
+
+@functools.lru_cache(maxsize=256)
+def _host_port(url: str) -> tuple[str, int]:
+    """(host, port) of a worker's ``http://host:port`` (parsed once per address: ``urlsplit``
+    was on every request's path)."""
+    hp = urlsplit(url)
+    return hp.hostname or "127.0.0.1", hp.port or 80
 
 
 class UpstreamError(Exception):
@@ -401,11 +410,17 @@ class Upstream:
                 t_sent = time.monotonic()
                 try:
                     host, port = ep.host_port
-                    async with asyncio.timeout(wait_s):
-                        resp = await send(host, port, path, payload,
-                                          {"Authorization": f"Bearer {ep.api_key}",
-                                           "Content-Type": "application/json"},
-                                          spares=self.spares, progress=progress)
+                    headers = {"Authorization": f"Bearer {ep.api_key}",
+                               "Content-Type": "application/json"}
+                    # The wait_s budget starts now; on a spare connection the request is
+                    # written before the timer is set up (off the time to first token).
+                    until = asyncio.get_running_loop().time() + wait_s
+                    resp = send_on_spare(host, port, path, payload, headers,
+                                         spares=self.spares, progress=progress)
+                    async with asyncio.timeout_at(until):
+                        if resp is None:
+                            resp = await send_connected(host, port, path, payload, headers,
+                                                        spares=self.spares, progress=progress)
                         # abort_worker gives up on it (a retry follows); a connection that
                         # closes from here on closed under this request (``process_exited``)
                         with self._unanswered_while(lease.worker.id, resp):

@@ -361,6 +361,21 @@ class SpareConnections:
         self._spare.clear()
 
 
+def send_on_spare(host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
+                  spares: SpareConnections | None, progress: bool = False
+                  ) -> WorkerResponse | None:
+    """POST ``body`` on the address's spare connection (``spares``), written before this
+    returns, and replace the spare in the background; None (nothing sent) when there is no
+    spare fit to use. No await: the request is on its way before the caller arms any timer
+    (the caller then awaits ``response.wait_head()`` and owns ``close()``). ``progress`` as in
+    :func:`send`."""
+    got = spares.take((host, port)) if spares is not None else None
+    if got is None:
+        return None
+    transport, conn = got
+    return _post(transport, conn, host, port, path, body, headers, spares, progress)
+
+
 async def send(host: str, port: int, path: str, body: bytes, headers: dict[str, str], *,
                connect_timeout_s: float = 5.0, spares: SpareConnections | None = None,
                progress: bool = False) -> WorkerResponse:
@@ -371,19 +386,38 @@ async def send(host: str, port: int, path: str, body: bytes, headers: dict[str, 
 
     Raises WorkerConnectionError when the worker cannot be reached within
     ``connect_timeout_s`` seconds."""
-    got = spares.take((host, port)) if spares is not None else None
-    if got is not None:
-        transport, conn = got
-    else:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(connect_timeout_s):
-                transport, conn = await loop.create_connection(lambda: _Conn(loop), host, port)
-        except TimeoutError:
-            raise WorkerConnectionError(f"connect to {host}:{port} timed out "
-                                        f"({connect_timeout_s:g} s)") from None
-        except OSError as e:
-            raise WorkerConnectionError(f"cannot connect to {host}:{port}: {e}") from None
+    resp = send_on_spare(host, port, path, body, headers, spares=spares, progress=progress)
+    if resp is not None:
+        return resp
+    return await send_connected(host, port, path, body, headers,
+                                connect_timeout_s=connect_timeout_s, spares=spares,
+                                progress=progress)
+
+
+async def send_connected(host: str, port: int, path: str, body: bytes, headers: dict[str, str],
+                         *, connect_timeout_s: float = 5.0,
+                         spares: SpareConnections | None = None,
+                         progress: bool = False) -> WorkerResponse:
+    """:func:`send` on a connection opened for it (never a spare; ``spares`` is asked for the
+    address's next one once the request is written). Raises WorkerConnectionError when the
+    worker cannot be reached within ``connect_timeout_s`` seconds."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(connect_timeout_s):
+            transport, conn = await loop.create_connection(lambda: _Conn(loop), host, port)
+    except TimeoutError:
+        raise WorkerConnectionError(f"connect to {host}:{port} timed out "
+                                    f"({connect_timeout_s:g} s)") from None
+    except OSError as e:
+        raise WorkerConnectionError(f"cannot connect to {host}:{port}: {e}") from None
+    return _post(transport, conn, host, port, path, body, headers, spares, progress)
+
+
+def _post(transport: asyncio.Transport, conn: _Conn, host: str, port: int, path: str,
+          body: bytes, headers: dict[str, str], spares: SpareConnections | None,
+          progress: bool) -> WorkerResponse:
+    """Write the request on ``transport`` (one write: head and body), ask ``spares`` for the
+    address's next spare, and return the response to come."""
     head = [f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n"
             f"Content-Length: {len(body)}\r\n"]
     head += [f"{k}: {v}\r\n" for k, v in headers.items()]

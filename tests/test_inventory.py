@@ -111,3 +111,16 @@ def test_fewest_tokens_a_text_can_take_from_the_longest_vocabulary_piece(tmp_pat
     w.close()
     wpm = inventory.GGUFFacts.read(path)
     assert wpm.n_vocab == 3 and wpm.max_token_bytes == 0 and wpm.min_tokens(10**6) == 0
+
+
+def test_capabilities_are_a_new_list_each_time():
+    """The answer is remembered per template; callers still get a list of their own."""
+    caps = inventory.capabilities(embeddings=False, template="{{ tools }} <think>",
+                                  has_fim=True, vision=False)
+    assert caps == ["completion", "tools", "insert", "thinking"]
+    caps.append("vision")
+    assert inventory.capabilities(embeddings=False, template="{{ tools }} <think>",
+                                  has_fim=True, vision=False) == ["completion", "tools", "insert",
+                                                                  "thinking"]
+    assert inventory.capabilities(embeddings=True, template="", has_fim=False,
+                                  vision=False) == ["embedding"]

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from gateway.worker_http import (HIGH_WATER_BYTES, SpareConnections, WorkerConnectionError,
-                                 WorkerPayloadError, send)
+                                 WorkerPayloadError, send, send_on_spare)
 
 
 async def post(host, port, path, body, headers, progress=False):
@@ -269,3 +269,22 @@ def test_out_of_descriptors_is_told_from_other_connection_errors():
             raise WorkerConnectionError(f"cannot connect: {e}") from None
     except WorkerConnectionError as e:
         assert out_of_descriptors(e)
+
+
+async def test_send_on_spare_sends_nothing_without_a_spare():
+    """``send_on_spare`` writes only on a spare; with none (no pool, or none opened yet) it
+    returns None and connects nowhere, and the caller connects (``send_connected``)."""
+    server, port, accepted, eofs = await serve_numbered()
+    spares = SpareConnections()
+    async with server:
+        assert send_on_spare("127.0.0.1", port, "/x", b"{}", {}, spares=None) is None
+        assert send_on_spare("127.0.0.1", port, "/x", b"{}", {}, spares=spares) is None
+        await asyncio.sleep(0.1)
+        assert accepted[0] == 0
+        assert await ask(port, spares) == 0  # connects itself, then opens a spare
+        await asyncio.sleep(0.1)
+        resp = send_on_spare("127.0.0.1", port, "/x", b"{}", {}, spares=spares)
+        assert resp is not None
+        await resp.wait_head()
+        assert int(await resp.read()) == 1  # the spare, connected before this request
+        spares.close()

@@ -289,8 +289,10 @@ class _HeadWithFirstBytes(web.StreamResponse):
     _send_headers_immediately = False
 
 
-async def start_stream(request: web.Request, content_type: str) -> web.StreamResponse:
-    """Start a 200 streamed response with the no-buffering headers (field case 19).
+def stream_response(request: web.Request, content_type: str) -> web.StreamResponse:
+    """A 200 streamed response with the no-buffering headers (field case 19), not started yet
+    (``prepare``). Building it changes nothing on ``request``, so a handler can build it while
+    the worker computes and drop it if the answer is an error after all.
 
     Chunked for HTTP/1.1 clients; an HTTP/1.0 client (nginx's default ``proxy_http_version``)
     gets the body delimited by connection close, since it cannot read chunked encoding.
@@ -300,6 +302,12 @@ async def start_stream(request: web.Request, content_type: str) -> web.StreamRes
         out.enable_chunked_encoding()
     else:
         out.force_close()
+    return out
+
+
+async def start_stream(request: web.Request, content_type: str) -> web.StreamResponse:
+    """Start a 200 streamed response (:func:`stream_response`)."""
+    out = stream_response(request, content_type)
     await out.prepare(request)
     return out
 

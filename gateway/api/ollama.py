@@ -30,7 +30,7 @@ from gateway.api import worker_ints
 from gateway.api.answer_again import answer_again
 from gateway.api.capabilities import model_capabilities, model_template, require
 from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling, optional,
-                                read_json, start_stream, t0_ns, visible_entries,
+                                read_json, stream_response, t0_ns, visible_entries,
                                 visible_names)
 from gateway.api.errors import ApiError, admission_error, ollama_error, upstream_headers
 from gateway.api.grammar_checks import check_tools
@@ -90,8 +90,9 @@ def _stream_flag(body: dict) -> bool:
     return s is not False
 
 
-def _sampling(request: web.Request, body: dict, entry: ModelEntry) -> dict:
-    gw = _gw(request)
+def _sampling(gw, request: web.Request, body: dict, entry: ModelEntry) -> dict:
+    """``body``'s Ollama ``options`` as llama-server sampling fields (``map_options``); the
+    ones it ignores are logged once (``request.options_ignored``)."""
     cfg = gw.config.generation
     ignored: list[str] = []
     out = map_options(body.get("options"), num_predict_default=cfg.num_predict_default,
@@ -239,7 +240,7 @@ def _think_kwargs(think) -> dict:
     return {"chat_template_kwargs": kw}
 
 
-async def _common_checks(request: web.Request, body: dict, entry: ModelEntry, kind: str):
+async def _common_checks(gw, body: dict, entry: ModelEntry, kind: str):
     """Validation shared by generate and chat; returns (think, logprobs, top_logprobs, keep_alive_s).
     A ``think`` left out is None here (see :func:`_think_default`)."""
     for k in ("truncate", "shift"):  # ignored (README), but booleans in Ollama's API
@@ -247,7 +248,6 @@ async def _common_checks(request: web.Request, body: dict, entry: ModelEntry, ki
     keep_alive = parse_keep_alive(body.get("keep_alive"))
     think = parse_think(body.get("think"))
     lp, top = parse_logprobs(body)
-    gw = _gw(request)
     await require(gw, entry, kind, body["model"])
     if think is not None and think is not False:
         await require(gw, entry, "thinking", body["model"])
@@ -306,6 +306,8 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                 note_lease(request, lease)
                 fold = st.fold_chat if is_chat else st.fold_completion_pair
                 lines: list[bytes] = []
+                # built while the worker computes, started with the first line (TTFT path)
+                ready = ndjson_response(request) if stream else None
 
                 def take(content: str, thinking: str) -> None:
                     if content or thinking:
@@ -319,7 +321,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                 async def write_lines() -> None:  # the batch in one write (one syscall)
                     nonlocal out
                     if out is None:
-                        out = await prepare_ndjson(request)
+                        out = await prepare_ndjson(request, ready)
                     lines.append(b"")
                     await out.write(b"\n".join(lines))  # newline-delimited
                     lines.clear()
@@ -407,9 +409,19 @@ def _refused(gw, e: Exception) -> web.Response:
     return ollama_error(err.status, err.message, err.headers)
 
 
-async def prepare_ndjson(request: web.Request) -> web.StreamResponse:
-    """Start a 200 ``application/x-ndjson`` chunked stream with the no-buffering headers."""
-    return await start_stream(request, "application/x-ndjson")
+def ndjson_response(request: web.Request) -> web.StreamResponse:
+    """A 200 ``application/x-ndjson`` stream with the no-buffering headers, not started yet
+    (``common.stream_response``)."""
+    return stream_response(request, "application/x-ndjson")
+
+
+async def prepare_ndjson(request: web.Request,
+                         out: web.StreamResponse | None = None) -> web.StreamResponse:
+    """Start a 200 ``application/x-ndjson`` chunked stream with the no-buffering headers:
+    ``out`` (an :func:`ndjson_response` built ahead), else a new one."""
+    out = out if out is not None else ndjson_response(request)
+    await out.prepare(request)
+    return out
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -417,11 +429,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
     entry = resolve_model(request, body, missing_status=400)
     stream = _stream_flag(body)
     msgs, any_image = _messages(body)
-    think, lp, top, keep_alive = await _common_checks(request, body, entry, "chat")
+    gw = _gw(request)
+    think, lp, top, keep_alive = await _common_checks(gw, body, entry, "chat")
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ApiError(400, "tools must be a list of tool objects")
-    gw = _gw(request)
     if tools:
         await require(gw, entry, "tools", body["model"])
         check_tools(tools)
@@ -445,7 +457,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         rendered = await render_prompt(gw, entry.name, msgs, template_fields={
             **_think_kwargs(think), **({"tools": tools} if tools else {})})
         up = {"stream": True, "cache_prompt": True, "prompt": rendered,
-              **_sampling(request, body, entry), **fmt}
+              **_sampling(gw, request, body, entry), **fmt}
         if lp or top:
             up["n_probs"] = max(top, 1)
     else:
@@ -453,7 +465,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         think = await _think_default(gw, entry, think, fmt)
         split = await _thinking_split(gw, entry, think, None)
         up = {"model": entry.name, "messages": msgs, "stream": True,
-              "stream_options": {"include_usage": True}, **_sampling(request, body, entry),
+              "stream_options": {"include_usage": True}, **_sampling(gw, request, body, entry),
               **format_fields(body.get("format"), chat=True), **_think_kwargs(think)}
         if lp or top:
             up["logprobs"] = True
@@ -527,10 +539,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if raw and (system or template or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
     images = _images(body.get("images"), "images")
-    think, lp, top, keep_alive = await _common_checks(request, body, entry, "generate")
+    gw = _gw(request)
+    think, lp, top, keep_alive = await _common_checks(gw, body, entry, "generate")
     fmt = format_fields(body.get("format"), chat=False)  # its 400 before any availability
     # answer, as /api/chat (a fresh tester's find)
-    gw = _gw(request)
     if suffix:
         await require(gw, entry, "insert", body["model"])
     if images:
@@ -539,7 +551,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not prompt and not suffix:
         return _done_only(gw, entry, name, keep_alive, chat=False)
     entry.touch(keep_alive)
-    sampling = _sampling(request, body, entry)
+    sampling = _sampling(gw, request, body, entry)
     msgs = None  # raw and suffix (FIM) prompts go as they are
     if not raw and not suffix:
         msgs = ([{"role": "system", "content": system}] if system else []) + \

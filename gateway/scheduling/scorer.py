@@ -226,7 +226,10 @@ class LeastLoaded:
         return min(self.wait_max_s, (held - got) * self.wait_s_per_token)
 
     def pick(self, candidates, ticket, now, fleet=()):
-        w = self.affine(candidates, ticket, fleet)
+        if len(candidates) == 1:
+            w = candidates[0]  # no choice to make: affinity and cost would only rank it first
+        else:
+            w = self.affine(candidates, ticket, fleet)
         if w is None:
             rank = {}
             if ticket.prefix_key is not None and self.index is not None:

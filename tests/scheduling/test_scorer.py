@@ -285,3 +285,16 @@ def test_waiting_ticket_does_not_wait_for_a_worker_it_avoids():
     d, _, _ = delay_fleet()
     retry = t(2, prefix_key=1, prefix_chain=conv(4), avoid=frozenset({"w0"}))
     assert d.submit(retry).worker.id == "w1"
+
+
+def test_a_lone_candidate_is_taken_and_its_prefix_still_recorded():
+    """With one worker able to take the ticket the scorer makes no comparison (the fast path of
+    ``LeastLoaded.pick``), yet the placement is recorded for prefix affinity as before: once a
+    second worker can take the next turn, that turn follows the first to its worker."""
+    d = mk(n=2, slots=1)
+    busy = d.submit(t(0))  # w0's only slot: w1 is the lone candidate
+    first = d.submit(t(1, prefix_key=1, prefix_chain=conv(2), est_tokens=1200))
+    assert (busy.worker.id, first.worker.id) == ("w0", "w1")
+    first.release()
+    busy.release()
+    assert d.submit(t(2, prefix_key=1, prefix_chain=conv(3))).worker.id == "w1"
