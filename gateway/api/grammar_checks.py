@@ -227,6 +227,66 @@ def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int]:
     return lo, hi, m.end() - i
 
 
+class _Nesting:
+    r"""The fold behind :func:`regex_nested_cost` and :func:`grammar_nested_cost`, fed items
+    and groups in order: each item (a character, a class, a rule reference, a closed group)
+    comes with its own positions, whether it is undelimited, its quantifier (minimum, maximum
+    or None when unbounded, and its text for the refusal), and, for a literal, its text
+    (``literal``). ``worst`` is the largest cost seen: a bounded repetition (maximum above 1)
+    of an undelimited item, times its positions.
+
+    A group is delimited, each iteration's end fixed by its input, when its last item repeats
+    a fixed number of times and is itself delimited, or when it starts with a literal (once)
+    that its last item is not: ``(\w{1,50} )``, ``("," value)``; undelimited otherwise:
+    ``(a{0,10})``, ``(a{0,10}b?)``, ``(a a{0,5})``. A heuristic: a class or rule that matches
+    the starting literal still passes."""
+
+    def __init__(self) -> None:
+        self.stack: list[dict] = [self._frame()]
+        self.worst: tuple[int, str] = (0, "")
+
+    @staticmethod
+    def _frame() -> dict:
+        # positions so far; the last item varies or is undelimited; every item nullable; an
+        # earlier alternative undelimited; the first item's literal text (None: not a literal
+        # met once, or no item yet: "") and the last item's literal text
+        return {"pos": 0, "open_end": False, "nullable": True, "undelim": False, "first": "",
+                "last": None}
+
+    def item(self, positions: int, undelimited: bool, lo: int, hi: int | None,
+             text: str, literal: str | None = None) -> None:
+        if hi is not None and hi > 1 and undelimited and hi * positions > self.worst[0]:
+            self.worst = (hi * positions, text)
+        f = self.stack[-1]
+        f["pos"] += positions * (hi if hi is not None else 1)
+        f["open_end"] = hi is None or lo != hi or undelimited
+        f["nullable"] = f["nullable"] and (lo == 0 or (undelimited and positions == 0))
+        if f["first"] == "":
+            f["first"] = literal if lo == hi == 1 else None
+        f["last"] = literal
+
+    def _ends_open(self, f: dict) -> bool:
+        if f["nullable"]:
+            return True
+        if not f["open_end"]:
+            return False
+        return not (f["first"] and f["last"] != f["first"])  # a starting literal delimits
+
+    def alternative(self) -> None:
+        f = self.stack[-1]
+        f["undelim"] = f["undelim"] or self._ends_open(f)
+        self.stack[-1] = {**self._frame(), "undelim": f["undelim"], "pos": f["pos"]}
+
+    def open(self) -> None:
+        self.stack.append(self._frame())
+
+    def close(self) -> tuple[int, bool]:
+        """End the innermost group (or, with none open, the whole): (its positions, whether
+        it is undelimited in some alternative)."""
+        f = self.stack.pop() if len(self.stack) > 1 else self.stack[0]
+        return max(f["pos"], 1), f["undelim"] or self._ends_open(f)
+
+
 def regex_nested_cost(pattern: str) -> tuple[int, str]:
     """(the largest number of grammar positions a bounded repetition of an undelimited group
     in the regex ``pattern`` multiplies out to, that repetition's text), or (0, ""). A group
@@ -235,66 +295,151 @@ def regex_nested_cost(pattern: str) -> tuple[int, str]:
     their own positions (unbounded ``*``/``+`` count once: llama.cpp writes them as one
     recursive rule). Escapes and character classes are single items; the pattern is read as
     llama.cpp's json-schema-to-grammar reads it, without validating it."""
-    # one frame per open group: [positions so far, last item variable, all items nullable,
-    # undelimited (an alternative so far), start index]
-    stack: list[list] = [[0, False, True, False, 0]]
-    worst: tuple[int, str] = (0, "")
+    fold = _Nesting()
+    starts: list[int] = []
     i, n = 0, len(pattern)
-
-    def item(positions: int, undelimited: bool, start: int, end: int) -> int:
-        nonlocal worst
-        lo, hi, qlen = _quantifier(pattern, end)
-        frame = stack[-1]
-        if hi is not None and hi > 1 and undelimited:
-            cost = hi * positions
-            if cost > worst[0]:
-                worst = (cost, pattern[start:end + qlen])
-        frame[0] += positions * (hi if hi is not None else 1)
-        frame[1] = hi is None or lo != hi
-        frame[2] = frame[2] and (lo == 0 or (undelimited and positions == 0))
-        return end + qlen
-
     while i < n:
         c = pattern[i]
         if c == "(":
-            j = i + 1
-            if pattern.startswith("?:", j):
-                j += 2
-            stack.append([0, False, True, False, i])
-            i = j
-        elif c == ")" and len(stack) > 1:
-            positions, last_var, nullable, undelim, start = stack.pop()
-            undelim = undelim or last_var or nullable
-            i = item(max(positions, 1), undelim, start, i + 1)
+            fold.open()
+            starts.append(i)
+            i += 3 if pattern.startswith("?:", i + 1) else 1
+            continue
+        if c == ")" and starts:
+            positions, undelimited = fold.close()
+            start, i = starts.pop(), i + 1
         elif c == "|":
-            f = stack[-1]
-            f[3] = f[3] or f[1] or f[2]
-            f[1], f[2] = False, True
+            fold.alternative()
             i += 1
+            continue
         elif c in "^$":
             i += 1
+            continue
         else:
-            start = i
-            if c == "\\":
-                i += 2
-            elif c == "[":
-                j = i + 1
-                if j < n and pattern[j] == "^":
-                    j += 1
-                if j < n and pattern[j] == "]":
-                    j += 1
-                while j < n and pattern[j] != "]":
-                    j += 2 if pattern[j] == "\\" else 1
-                i = j + 1
-            else:
+            start, positions, undelimited = i, 1, False
+            i = _regex_atom_end(pattern, i)
+        atom = pattern[start:i]
+        # a literal: one plain character, or an escaped one that is not a class (\d, \w …)
+        literal = atom if (len(atom) == 1 and atom != ".") or (
+            len(atom) == 2 and atom[0] == "\\" and not atom[1].isalnum()) else None
+        lo, hi, qlen = _quantifier(pattern, i)
+        fold.item(positions, undelimited, lo, hi, pattern[start:i + qlen], literal)
+        i += qlen
+    return fold.worst
+
+
+def _regex_atom_end(pattern: str, i: int) -> int:
+    """The index after the single item (an escape, a character class, a character) at
+    ``pattern[i]``."""
+    n = len(pattern)
+    if pattern[i] == "\\":
+        return i + 2
+    if pattern[i] != "[":
+        return i + 1
+    j = i + 1
+    if j < n and pattern[j] == "^":
+        j += 1
+    if j < n and pattern[j] == "]":
+        j += 1
+    while j < n and pattern[j] != "]":
+        j += 2 if pattern[j] == "\\" else 1
+    return j + 1
+
+
+_RULE_HEAD = re.compile(r"^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", re.MULTILINE)
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def grammar_nested_cost(text: str) -> tuple[int, str]:
+    """:func:`regex_nested_cost` for a GBNF grammar: its rules' items (literals, classes, rule
+    references, groups) with their quantifiers, a reference standing for the rule's own
+    positions (a rule that refers back to itself, a recursion as llama.cpp writes ``*``,
+    counts once). (cost, the repetition's text) of the worst one, or (0, "")."""
+    heads = list(_RULE_HEAD.finditer(text))
+    bodies = {m.group(1): text[m.end():(heads[k + 1].start() if k + 1 < len(heads) else
+                                         len(text))] for k, m in enumerate(heads)}
+    done: dict[str, tuple[int, bool]] = {}
+    worst: list[tuple[int, str]] = [(0, "")]
+
+    def rule(name: str, busy: frozenset) -> tuple[int, bool]:
+        if name in done:
+            return done[name]
+        if name in busy or name not in bodies:
+            return 1, False
+        fold, body = _Nesting(), bodies[name]
+        i, n, starts = 0, len(body), []
+        while i < n:
+            c = body[i]
+            if c in " \t\r\n":
                 i += 1
-            i = item(1, False, start, i)
-    return worst
+                continue
+            if c == "#":
+                while i < n and body[i] not in "\r\n":
+                    i += 1
+                continue
+            if c == "(":
+                fold.open()
+                starts.append(i)
+                i += 1
+                continue
+            if c == "|":
+                fold.alternative()
+                i += 1
+                continue
+            start, literal = i, None
+            if c == ")" and starts:
+                positions, undelimited = fold.close()
+                start, i = starts.pop(), i + 1
+            elif c in "\"[":
+                close = '"' if c == '"' else "]"
+                i += 1
+                while i < n and body[i] != close:
+                    i += 2 if body[i] == "\\" else 1
+                i, positions, undelimited = i + 1, 1, False
+                literal = body[start:i] if c == '"' else None
+            else:
+                m = _NAME.match(body, i)
+                if not m:
+                    i += 1
+                    continue
+                i = m.end()
+                positions, undelimited = rule(m.group(0), busy | {name})
+            j = i
+            while j < n and body[j] in " \t":
+                j += 1
+            lo, hi, qlen = _grammar_quantifier(body, j)
+            if qlen:
+                i = j + qlen
+            fold.item(positions, undelimited, lo, hi, body[start:i].strip(), literal)
+        if fold.worst[0] > worst[0][0]:
+            worst[0] = fold.worst
+        done[name] = fold.close()
+        return done[name]
+
+    for name in bodies:
+        rule(name, frozenset())
+    return worst[0]
+
+
+def _grammar_quantifier(body: str, i: int) -> tuple[int, int | None, int]:
+    """:func:`_quantifier` for GBNF, whose braces may hold spaces and comments."""
+    if i < len(body) and body[i] == "{":
+        j = body.find("}", i)
+        if j > 0:
+            inner = re.sub(r"#[^\r\n]*|\s", "", body[i + 1:j])
+            lo_t, comma, hi_t = inner.partition(",")
+            if lo_t.isdigit() and (not comma or hi_t.isdigit() or hi_t == ""):
+                lo = int(lo_t)
+                hi = lo if not comma else (int(hi_t) if hi_t else None)
+                return lo, hi, j + 1 - i
+        return 1, 1, 0
+    return _quantifier(body, i)
 
 
 def check_grammar(text, where: str) -> None:
     """Raise ApiError(400) when the GBNF ``text`` has a repetition ``{m,n}`` with ``n < m``
-    (outside string literals, character classes and comments). Other grammar errors are left
+    (outside string literals, character classes and comments), or nested repetitions past
+    :data:`NESTED_POSITIONS_MAX` positions (:func:`grammar_nested_cost`). Other grammar errors are left
     to the worker, which refuses them with its own 400."""
     if not isinstance(text, str):
         return
@@ -328,6 +473,12 @@ def check_grammar(text, where: str) -> None:
             i = j + 1
         else:
             i += 1
+    cost, rep = grammar_nested_cost(text)
+    if cost > NESTED_POSITIONS_MAX:
+        raise ApiError(400, f"{where}: the nested repetition {rep} has about {cost} positions "
+                            f"the worker's grammar would track at once (at most "
+                            f"{NESTED_POSITIONS_MAX}); give the inner part a fixed end, such "
+                            f"as a delimiter, or lower the counts")
 
 
 def check_tools(tools, where: str = "tools") -> None:

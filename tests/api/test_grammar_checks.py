@@ -5,7 +5,8 @@ import pytest
 
 from gateway.api.errors import ApiError
 from gateway.api.grammar_checks import (COUNT_MAX, NESTED_POSITIONS_MAX, check_grammar,
-                                         check_schema, check_tools, regex_nested_cost)
+                                         check_schema, check_tools, grammar_nested_cost,
+                                         regex_nested_cost)
 
 
 @pytest.mark.parametrize("schema, says", [
@@ -123,6 +124,29 @@ def test_nested_repetitions_of_undelimited_groups_are_counted(pattern, cost):
 def test_delimited_or_flat_repetitions_are_not_counted(pattern):
     assert regex_nested_cost(pattern) == (0, "")
     check_schema({"type": "string", "pattern": pattern}, "format")
+
+
+@pytest.mark.parametrize("grammar, cost", [
+    ('root ::= ("a"{0,600}){0,600}', 360_000),
+    ('root ::= x{0,600}\nx ::= "a"{0,600}', 360_000),          # through a rule reference
+    ('root ::= (w){0,600}\nw ::= x\nx ::= "a"{0,600}', 360_000),  # two references deep
+    ('root ::= item{0,100}\nitem ::= "a"{0,10} "b"?', 1_100),
+    ('root ::= ("a" "a"{0,5}){0,600}', 3_600),  # starts with what its end repeats
+    ('root ::= ( "a"{0, # c\n 600} ){0,600}', 360_000),  # a comment in the braces
+    ('root ::= x{0,600}\nx ::= [a-z]{1,50} " "', 0),        # each ends at its space
+    ('root ::= "[" (v ("," v){0,1000})? "]"\nv ::= [0-9]+', 0),  # each starts with ","
+    ('root ::= r\nr ::= "a" r | ""', 0),                     # recursion counts once
+    ('root ::= "a"{0,600} "b"{0,600}', 0),
+])
+def test_grammar_nested_repetitions_are_counted(grammar, cost):
+    assert grammar_nested_cost(grammar)[0] == cost
+    if cost > NESTED_POSITIONS_MAX:
+        with pytest.raises(ApiError) as e:
+            check_grammar(grammar, "grammar")
+        assert e.value.status == 400 and e.value.message.startswith(
+            "grammar: the nested repetition ") and f"about {cost} positions" in e.value.message
+    else:
+        check_grammar(grammar, "grammar")
 
 
 @pytest.mark.parametrize("grammar, bad", [

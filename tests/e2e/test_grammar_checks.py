@@ -61,6 +61,9 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
                                       "name": "x", "schema": {"type": "string",
                                                               "pattern": "^(a{0,200}){0,200}$"}}}},
          "response_format.json_schema.schema.pattern: the nested repetition"),
+        ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4,
+                             "grammar": 'root ::= x{0,600}\nx ::= "a"{0,600}'},
+         "grammar: the nested repetition x{0,600} has about 360000 positions"),
     ]
     for path, body, says in cases:
         t0 = time.monotonic()
@@ -78,6 +81,10 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         "model": "demo", "messages": MSGS, "max_tokens": 4, "grammar": 'root ::= "a"{2,5}'})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in (
         "aa", "aaa", "aaaa", "aaaaa"), ok.text
+    ok = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+        "model": "demo", "prompt": "hi", "max_tokens": 8,
+        "grammar": 'root ::= "[" (v ("," v){0,1000})? "]"\nv ::= [0-9]+'})
+    assert ok.status_code == 200, ok.text  # each item starts with ",": not counted
     # a delimited one is served at once (each word ends at its space)
     ok = httpx.post(gw.url + "/api/chat", timeout=60, json={
         "model": "demo", "messages": MSGS, **opts,
