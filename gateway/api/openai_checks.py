@@ -72,6 +72,7 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
     if stop is not None and not (isinstance(stop, str) or (
             isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
         raise ApiError(400, "stop must be a string or a list of strings")
+    _check_types(body)
     # llama-server reads these with a default when the type is wrong (json_value), so a string
     # response_format or logit_bias was dropped without a word
     for k, kinds, what in (("response_format", dict, "an object"),
@@ -184,6 +185,33 @@ def _named_tool_choice(body: dict) -> None:
     if not named:
         raise ApiError(400, f"tool_choice names function '{name}', which is not in tools")
     body["tools"], body["tool_choice"] = named[:1], "required"
+
+
+#: Sampling fields of a ``/v1`` body (OpenAI's, then llama-server's own that it reads from
+#: one, tools/server/server-common.cpp ``params_from_json_cmpl``) that must be numbers, and
+#: flags that must be booleans. llama-server refused another type with its JSON library's
+#: text (``[json.exception.type_error.302] type must be number, but is string``; a fresh
+#: tester's find); null still means "not given".
+_NUMBER_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "min_p",
+                  "typical_p", "repeat_penalty", "top_k", "repeat_last_n", "dynatemp_range",
+                  "dynatemp_exponent", "xtc_probability", "xtc_threshold", "top_n_sigma",
+                  "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base",
+                  "dry_allowed_length", "dry_penalty_last_n", "n_keep", "min_keep")
+_BOOL_FIELDS = ("cache_prompt", "ignore_eos", "return_tokens", "timings_per_token",
+                "post_sampling_probs", "return_progress", "parallel_tool_calls")
+
+
+def _check_types(body: dict) -> None:
+    """Raise ApiError(400) ``<field> must be a number|boolean, got <value>`` for a field of
+    :data:`_NUMBER_FIELDS` or :data:`_BOOL_FIELDS` of another type (a boolean is no number)."""
+    for k in _NUMBER_FIELDS:
+        v = body.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ApiError(400, f"{k} must be a number, got {_short(v)}")
+    for k in _BOOL_FIELDS:
+        v = body.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise ApiError(400, f"{k} must be a boolean, got {_short(v)}")
 
 
 def _short(v) -> str:

@@ -168,6 +168,10 @@ def test_v1_suffix_and_reasoning_effort_are_not_dropped(gw):
              "'xhigh', 'ultra', 'max', got \"bogus\"")):
         r = httpx.post(gw.url + path, json={"model": "demo", "max_tokens": 1, **body}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
+    ok = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+        "model": "demo", "messages": MSG, "max_tokens": 1, "temperature": None, "top_p": 1,
+        "cache_prompt": False})  # null is "not given"; an int is a number
+    assert ok.status_code == 200, ok.text
     ok = httpx.post(gw.url + "/v1/completions", timeout=10, json={
         "model": "demo", "prompt": "x", "suffix": "", "max_tokens": 1})
     assert ok.status_code == 200, ok.text
@@ -190,7 +194,7 @@ def test_v1_completions_apply_a_response_format(gw):
         assert r.json()["choices"][0]["text"].lstrip().startswith("{"), r.json()
 
 
-def test_v1_seed_past_64_bits_and_a_non_boolean_chat_logprobs_are_400(gw):
+def test_v1_seed_past_64_bits_and_fields_of_the_wrong_type_are_400(gw):
     """llama-server replaced a seed past 64 bits with one fixed seed and read ``logprobs: 1``
     as true (a fresh tester's find)."""
     for path, body, msg in (
@@ -201,7 +205,13 @@ def test_v1_seed_past_64_bits_and_a_non_boolean_chat_logprobs_are_400(gw):
              "seed is out of range for a 64-bit integer"),
             ("/v1/chat/completions", {"messages": MSG, "seed": 1.5}, "seed must be an integer, got 1.5"),
             ("/v1/chat/completions", {"messages": MSG, "logprobs": 1},
-             "logprobs must be a boolean, got 1")):
+             "logprobs must be a boolean, got 1"),
+            # llama-server refused these with its JSON library's text (a fresh tester's find)
+            ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"},
+             'temperature must be a number, got "hot"'),
+            ("/v1/completions", {"prompt": "hi", "top_k": True}, "top_k must be a number, got true"),
+            ("/v1/completions", {"prompt": "hi", "cache_prompt": "no"},
+             'cache_prompt must be a boolean, got "no"')):
         r = httpx.post(gw.url + path, json={"model": "demo", "max_tokens": 1, **body}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
 
