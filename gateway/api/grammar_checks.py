@@ -104,13 +104,7 @@ def check_schema(schema, where: str) -> None:
             if bad:
                 raise ApiError(400, f"{path}.pattern: repetition {bad} has its maximum below "
                                     f"its minimum")
-            cost, where_ = regex_nested_cost(node["pattern"])
-            if cost > NESTED_POSITIONS_MAX:
-                raise ApiError(400, f"{path}.pattern: the repetitions {where_} have about "
-                                    f"{cost} positions the worker's grammar would track at "
-                                    f"once (at most {NESTED_POSITIONS_MAX}); give the inner "
-                                    f"part a fixed end, such as a delimiter, or lower the "
-                                    f"counts")
+            _check_positions(regex_nested_cost(node["pattern"]), f"{path}.pattern")
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and ref not in refs:
             refs.add(ref)
@@ -447,7 +441,7 @@ def _grammar_quantifier(body: str, i: int) -> tuple[int, int | None, int]:
     if i < len(body) and body[i] == "{":
         j = body.find("}", i)
         if j > 0:
-            inner = re.sub(r"#[^\r\n]*|\s", "", body[i + 1:j])
+            inner = _brace_text(body[i + 1:j])
             lo_t, comma, hi_t = inner.partition(",")
             if lo_t.isdigit() and (not comma or hi_t.isdigit() or hi_t == ""):
                 lo = int(lo_t)
@@ -486,7 +480,7 @@ def check_grammar(text, where: str) -> None:
                     j += 1
             if j >= n:
                 return
-            inner = re.sub(r"#[^\r\n]*|\s", "", text[i + 1:j])
+            inner = _brace_text(text[i + 1:j])
             lo, comma, hi = inner.partition(",")
             if comma and lo.isdigit() and hi.isdigit() and int(hi) < int(lo):
                 raise ApiError(400, f"{where}: repetition {{{lo},{hi}}} has its maximum below "
@@ -494,12 +488,25 @@ def check_grammar(text, where: str) -> None:
             i = j + 1
         else:
             i += 1
-    cost, rep = grammar_nested_cost(text)
+    _check_positions(grammar_nested_cost(text), where)
+
+
+def _check_positions(found: tuple[int, str], where: str) -> None:
+    """Raise ApiError(400) naming ``where`` when ``found`` (:func:`regex_nested_cost` or
+    :func:`grammar_nested_cost`: positions, the repetitions' text) is past
+    :data:`NESTED_POSITIONS_MAX`."""
+    cost, rep = found
     if cost > NESTED_POSITIONS_MAX:
         raise ApiError(400, f"{where}: the repetitions {rep} have about {cost} positions "
                             f"the worker's grammar would track at once (at most "
                             f"{NESTED_POSITIONS_MAX}); give the inner part a fixed end, such "
                             f"as a delimiter, or lower the counts")
+
+
+def _brace_text(inner: str) -> str:
+    """What llama.cpp reads between a GBNF repetition's braces: comments and spaces skipped
+    (``parse_space``)."""
+    return re.sub(r"#[^\r\n]*|\s", "", inner)
 
 
 def check_tools(tools, where: str = "tools") -> None:
