@@ -286,18 +286,39 @@ def ensure_llama_server(
     return build_llama_server(backend)
 
 
-def llama_server_version(binary: Path) -> str:
+def _run_version(binary: Path, timeout_s: float,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``binary --version`` in its own process group; return its exit status and output.
+
+    Raises ``subprocess.TimeoutExpired`` after ``timeout_s`` seconds, with the whole group
+    killed first (a wrapper script's children too, which ``subprocess.run`` would leave
+    running), and ``OSError`` when it cannot be executed at all. ``env``: its environment
+    (default: this process's).
+    """
+    proc = subprocess.Popen([str(binary), "--version"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def llama_server_version(binary: Path, timeout_s: float = 30,
+                         env: dict[str, str] | None = None) -> str:
     """The version line of ``binary --version``, e.g. ``version: 1 (0c1e570)``.
 
-    llama-server prints it on stderr; both streams are searched.
+    llama-server prints it on stderr; both streams are searched. Raises ProvisionError when it
+    cannot be run within ``timeout_s`` seconds or prints no version line. ``env``: the
+    environment it runs with (default: this process's).
     """
     try:
-        proc = subprocess.run(
-            [str(binary), "--version"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        proc = _run_version(binary, timeout_s, env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ProvisionError(f"could not run {binary} --version: {exc}") from exc
     text = (proc.stderr or "") + "\n" + (proc.stdout or "")
@@ -315,10 +336,10 @@ def check_runs(binary: Path, timeout_s: float = 30) -> None:
     dynamic loader's ``error while loading shared libraries: …``, exit 127), a build for
     another CPU (SIGILL) or a wrapper that fails. ``check-config`` found such a binary fine and
     every worker start then failed. ``why`` is the last line the binary wrote (stderr, else
-    stdout) or its exit status; ``timeout_s`` bounds the run (seconds)."""
+    stdout) or its exit status; ``timeout_s`` bounds the run (seconds), after which the binary
+    and everything it started are killed."""
     try:
-        proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = _run_version(binary, timeout_s)
     except subprocess.TimeoutExpired:
         raise ProvisionError(f"{binary} does not run: `--version` gave no answer within "
                              f"{timeout_s:g} s") from None

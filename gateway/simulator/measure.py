@@ -121,11 +121,14 @@ def start_server(spec: LaunchSpec) -> Iterator[Server]:
 
 
 def server_version(spec: LaunchSpec) -> str:
-    """The first line of ``llama-server --version`` that names the version."""
-    out = subprocess.run([str(spec.binary), "--version"], capture_output=True, text=True,
-                         timeout=30, env=spec.env(""))
-    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if "version" in ln]
-    return lines[0].strip() if lines else "unknown"
+    """The first line of ``llama-server --version`` that names the version
+    (``workers.provision.llama_server_version``, in the worker's environment), else ``unknown``."""
+    from workers.provision import ProvisionError, llama_server_version
+
+    try:
+        return llama_server_version(spec.binary, env=spec.env(""))
+    except ProvisionError:
+        return "unknown"
 
 
 def server_env(spec: LaunchSpec) -> dict[str, str]:

@@ -410,6 +410,28 @@ def test_llama_server_version_without_version_line_raises(tmp_path):
         llama_server_version(fake)
 
 
+def test_check_runs_timeout_kills_the_binary_and_its_children(tmp_path):
+    """A FAKE wrapper that starts a child and never answers `--version`: check_runs gives up
+    after its timeout and kills the whole process group, child included (subprocess.run's
+    timeout killed only the wrapper and left the child running)."""
+    import psutil
+
+    pid_file = tmp_path / "child.pid"
+    fake = make_fake_exe(tmp_path / "llama-server",
+                         f"sleep 300 & echo $! > {pid_file}\nwait")
+    with pytest.raises(ProvisionError, match=r"gave no answer within 1 s"):
+        provision.check_runs(fake, timeout_s=1)
+    child = int(pid_file.read_text())
+    gone = not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert gone, "the wrapper's child outlived the timeout"
+
+
+def test_llama_server_version_timeout_raises(tmp_path):
+    fake = make_fake_exe(tmp_path / "llama-server", "sleep 300")
+    with pytest.raises(ProvisionError, match="could not run"):
+        llama_server_version(fake, timeout_s=0.5)
+
+
 def test_real_cached_binary_version_if_present():
     """If a real cached build exists on this machine, it reports the pinned commit."""
     real = find_llama_server(backend="cpu") if not os.environ.get("LLAMA_SERVER") else None
