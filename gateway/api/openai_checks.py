@@ -193,25 +193,59 @@ def _named_tool_choice(body: dict) -> None:
 #: text (``[json.exception.type_error.302] type must be number, but is string``; a fresh
 #: tester's find); null still means "not given".
 _NUMBER_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "min_p",
-                  "typical_p", "repeat_penalty", "top_k", "repeat_last_n", "dynatemp_range",
-                  "dynatemp_exponent", "xtc_probability", "xtc_threshold", "top_n_sigma",
-                  "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base",
-                  "dry_allowed_length", "dry_penalty_last_n", "n_keep", "min_keep")
+                  "typical_p", "repeat_penalty", "dynatemp_range", "dynatemp_exponent",
+                  "xtc_probability", "xtc_threshold", "top_n_sigma", "mirostat_tau",
+                  "mirostat_eta", "dry_multiplier", "dry_base")
+#: llama-server's integer fields (server-schema.cpp ``field_num`` of an ``int``): it truncates
+#: a fraction without a word (``top_k: 1.5`` ran as 1), so one is refused; a whole float such
+#: as ``40.0`` is what it reads as 40 and passes.
+_INT_FIELDS = ("top_k", "repeat_last_n", "mirostat", "dry_allowed_length", "dry_penalty_last_n",
+               "n_keep", "min_keep", "n_indent", "n_discard", "n_cache_reuse",
+               "t_max_predict_ms", "sse_ping_interval", "reasoning_budget_tokens")
 _BOOL_FIELDS = ("cache_prompt", "ignore_eos", "return_tokens", "timings_per_token",
                 "post_sampling_probs", "return_progress", "parallel_tool_calls")
+#: Fields llama-server reads with ``json_value`` and a default, so that a wrong type was
+#: dropped without a word (``grammar: 5`` generated unconstrained; server-common.h
+#: ``json_value`` logs "Wrong type supplied" and uses the default): the JSON type each must be.
+_SHAPED_FIELDS = (("grammar", str, "a string"), ("json_schema", dict, "an object"),
+                  ("chat_template_kwargs", dict, "an object"))
+#: Fields that must be a list of strings (server-schema.cpp ``dry_sequence_breakers``,
+#: ``response_fields``: a wrong type was read as the default list); ``samplers`` may also be
+#: one string of sampler letters (another type was ignored).
+_STRING_LIST_FIELDS = ("dry_sequence_breakers", "response_fields", "samplers")
 
 
 def _check_types(body: dict) -> None:
-    """Raise ApiError(400) ``<field> must be a number|boolean, got <value>`` for a field of
-    :data:`_NUMBER_FIELDS` or :data:`_BOOL_FIELDS` of another type (a boolean is no number)."""
+    """Raise ApiError(400) ``<field> must be a number|an integer|a boolean|a string|an
+    object|a list of strings, got <value>`` for a field of :data:`_NUMBER_FIELDS`,
+    :data:`_INT_FIELDS`, :data:`_BOOL_FIELDS`, :data:`_SHAPED_FIELDS` or
+    :data:`_STRING_LIST_FIELDS` of another type (a boolean is no number). A null is "not
+    given", as llama-server reads it."""
     for k in _NUMBER_FIELDS:
         v = body.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        if v is not None and not _is_number(v):
             raise ApiError(400, f"{k} must be a number, got {_short(v)}")
+    for k in _INT_FIELDS:
+        v = body.get(k)
+        if v is None:
+            continue
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 53:
+            v = body[k] = int(v)
+        check_int(k, v)
     for k in _BOOL_FIELDS:
         v = body.get(k)
         if v is not None and not isinstance(v, bool):
             raise ApiError(400, f"{k} must be a boolean, got {_short(v)}")
+    for k, kind, what in _SHAPED_FIELDS:
+        v = body.get(k)
+        if v is not None and not isinstance(v, kind):
+            raise ApiError(400, f"{k} must be {what}, got {_short(v)}")
+    for k in _STRING_LIST_FIELDS:
+        v = body.get(k)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)) \
+                and not (k == "samplers" and isinstance(v, str)):
+            what = "a list of strings or a string" if k == "samplers" else "a list of strings"
+            raise ApiError(400, f"{k} must be {what}, got {_short(v)}")
 
 
 def _short(v) -> str:

@@ -209,11 +209,32 @@ def test_v1_seed_past_64_bits_and_fields_of_the_wrong_type_are_400(gw):
             # llama-server refused these with its JSON library's text (a fresh tester's find)
             ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"},
              'temperature must be a number, got "hot"'),
-            ("/v1/completions", {"prompt": "hi", "top_k": True}, "top_k must be a number, got true"),
+            ("/v1/completions", {"prompt": "hi", "top_p": True}, "top_p must be a number, got true"),
+            ("/v1/completions", {"prompt": "hi", "top_k": True}, "top_k must be an integer, got true"),
             ("/v1/completions", {"prompt": "hi", "cache_prompt": "no"},
-             'cache_prompt must be a boolean, got "no"')):
+             'cache_prompt must be a boolean, got "no"'),
+            # llama-server truncated a fraction (top_k 1.5 ran as 1) and dropped these wrong
+            # types without a word: grammar 5 generated unconstrained (this session's find)
+            ("/v1/completions", {"prompt": "hi", "top_k": 1.5}, "top_k must be an integer, got 1.5"),
+            ("/v1/completions", {"prompt": "hi", "n_indent": "2"},
+             'n_indent must be an integer, got "2"'),
+            ("/v1/completions", {"prompt": "hi", "grammar": 5}, "grammar must be a string, got 5"),
+            ("/v1/completions", {"prompt": "hi", "json_schema": "x"},
+             'json_schema must be an object, got "x"'),
+            ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": "x"},
+             'chat_template_kwargs must be an object, got "x"'),
+            ("/v1/completions", {"prompt": "hi", "samplers": 5},
+             "samplers must be a list of strings or a string, got 5"),
+            ("/v1/completions", {"prompt": "hi", "dry_sequence_breakers": "\\n"},
+             'dry_sequence_breakers must be a list of strings, got "\\\\n"')):
         r = httpx.post(gw.url + path, json={"model": "demo", "max_tokens": 1, **body}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
+    # the right types still run; a whole float is the integer llama-server reads it as
+    for body in ({"top_k": 40.0, "samplers": "kt", "grammar": 'root ::= "a"'},
+                 {"top_k": None, "samplers": ["top_k", "temperature"], "json_schema": {}}):
+        r = httpx.post(gw.url + "/v1/completions", timeout=30, json={
+            "model": "demo", "prompt": "hi", "max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
 
 
 def test_v1_completions_logprobs_in_openais_legacy_shape(gw, client):
