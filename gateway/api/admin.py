@@ -56,7 +56,7 @@ import asyncio
 import orjson
 from aiohttp import web
 
-from gateway.api.errors import ApiError
+from gateway.api.errors import ApiError, json_body
 from gateway.auth import ADMIN_TOKEN_ENV, admin_token, is_admin_token
 from gateway.logs import get_logger
 from gateway.metrics import worker_state
@@ -69,7 +69,7 @@ TOKEN_ENV = ADMIN_TOKEN_ENV
 
 
 def _json(body, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+    return json_body(orjson.dumps(body), status)
 
 
 def _round(v: float | None, digits: int) -> float | None:

@@ -36,7 +36,7 @@ from aiohttp import web
 from gateway.admission import QueueFull, QueueTimeout, Unavailable
 from gateway.api.capabilities import require
 from gateway.api.common import make_ticket, note_upstream_error, optional, read_json, t0_ns
-from gateway.api.errors import ApiError, admission_error, resolve_v1_model
+from gateway.api.errors import ApiError, admission_error, json_body, resolve_v1_model
 from gateway.api.ollama import resolve_model
 from gateway.api.ollama_mapping import parse_keep_alive
 from gateway.inventory import ModelEntry
@@ -220,7 +220,7 @@ async def _check_embedding(request: web.Request, body: dict, entry: ModelEntry) 
 
 
 def _json(obj, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+    return json_body(orjson.dumps(obj), status)
 
 
 async def api_embed(request: web.Request) -> web.Response:

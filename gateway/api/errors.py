@@ -55,9 +55,16 @@ def resolve_v1_model(inventory, body: dict):
     return entry
 
 
+def json_body(body: bytes, status: int = 200, headers: dict | None = None) -> web.Response:
+    """A response of the JSON text ``body`` (bytes), ``Content-Type: application/json;
+    charset=utf-8`` as Ollama's Gin writes on every JSON answer and error (aiohttp writes a
+    bytes body without the charset, its ``json_response`` with it)."""
+    return web.Response(status=status, body=body, content_type="application/json",
+                        charset="utf-8", headers=headers)
+
+
 def ollama_error(status: int, message: str, headers: dict | None = None) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps({"error": message}),
-                        content_type="application/json", headers=headers)
+    return json_body(orjson.dumps({"error": message}), status, headers)
 
 
 def openai_error_type(status: int) -> str:
@@ -75,9 +82,8 @@ def openai_error_body(status: int, message: str, code: str | None = None,
 
 def openai_error(status: int, message: str, headers: dict | None = None, *,
                  code: str | None = None, type: str | None = None) -> web.Response:
-    return web.Response(status=status,
-                        body=orjson.dumps(openai_error_body(status, message, code, type)),
-                        content_type="application/json", headers=headers)
+    return json_body(orjson.dumps(openai_error_body(status, message, code, type)), status,
+                     headers)
 
 
 def is_openai_path(path: str) -> bool:

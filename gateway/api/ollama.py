@@ -32,7 +32,8 @@ from gateway.api.capabilities import model_capabilities, model_template, require
 from gateway.api.common import (make_ticket, note_upstream_error, operator_sampling, optional,
                                 read_json, stream_response, t0_ns, visible_entries,
                                 visible_names)
-from gateway.api.errors import ApiError, admission_error, ollama_error, upstream_headers
+from gateway.api.errors import (ApiError, admission_error, json_body, ollama_error,
+                                 upstream_headers)
 from gateway.api.grammar_checks import check_tools
 from gateway.api.render import render_prompt, upstream_error_text
 from gateway.api.ollama_mapping import (
@@ -377,7 +378,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
             return ollama_error(status, msg) if out is None else await _end_with_error(out, msg)
     request["eval_count"], request["prompt_eval_count"] = obj.get("eval_count"), obj.get("prompt_eval_count")
     if not stream:
-        return web.Response(body=orjson.dumps(obj), content_type="application/json")
+        return json_body(orjson.dumps(obj))
     if out is None:
         out = await prepare_ndjson(request)
     await out.write_eof(orjson.dumps(obj) + b"\n")  # last line and end of stream in one write

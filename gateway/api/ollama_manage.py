@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 
 from gateway.api.common import read_json
-from gateway.api.errors import ApiError
+from gateway.api.errors import ApiError, json_body
 from gateway.api.ollama import _stream_flag, prepare_ndjson
 
 NOT_SUPPORTED = ("{what} is not supported by llama-gateway: models are served from the files "
@@ -41,7 +41,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
              {"status": "verifying sha256 digest"}, {"status": "writing manifest"},
              {"status": "success"}]
     if not stream:
-        return web.Response(body=orjson.dumps(steps[-1]), content_type="application/json")
+        return json_body(orjson.dumps(steps[-1]))
     out = await prepare_ndjson(request)
     for s in steps:
         await out.write(orjson.dumps(s) + b"\n")

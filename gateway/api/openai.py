@@ -27,7 +27,7 @@ from gateway.api.common import (make_ticket, note_upstream_error, operator_sampl
 from gateway.api import openai_checks, openai_structured, worker_ints
 from gateway.api.answer_again import answer_again
 from gateway.api.capabilities import model_capabilities
-from gateway.api.errors import (admission_error, model_not_found_v1, openai_error,
+from gateway.api.errors import (admission_error, json_body, model_not_found_v1, openai_error,
                                 openai_error_body, resolve_v1_model, upstream_headers)
 from gateway.api.ollama_mapping import OLLAMA_DEFAULTS
 from gateway.config import normalize_model_name
@@ -100,13 +100,13 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                         legacy.answer(answer)
                     answer["model"] = asked
                     note_usage(request, answer["usage"])
-                    return web.Response(body=orjson.dumps(answer), content_type="application/json")
+                    return json_body(orjson.dumps(answer))
                 if not stream:
                     data = await read_all(resp)
                     note_openai_usage(request, data)
                     if rename is not None:
                         data = data.replace(*rename)
-                    return web.Response(body=data, content_type="application/json")
+                    return json_body(data)
                 if not resp.progress and not started:
                     # A short prompt: its stream starts with the worker's headers, as before its
                     # first token (0.08-0.12 ms of TTFT on the 2-core development machine, README

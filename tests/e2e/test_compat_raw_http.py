@@ -167,10 +167,26 @@ def test_case19_streams_not_buffered_through_default_nginx(nginx_url):
     _check_incremental(nginx_url, via_nginx=True)
 
 
+#: What Ollama's Gin writes on every JSON answer and error (``c.JSON``).
+JSON_UTF8 = "application/json; charset=utf-8"
+
+
 def test_case20_content_types(gw):
-    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "x", "stream": False,
-                                                   "options": {"num_predict": 2}})
-    assert r.headers["content-type"].startswith("application/json")
+    # every JSON body says its charset, as Ollama's do: the worker-relayed answers and errors
+    # had a bare application/json, the listings the charset (this session's find)
+    for path, body in (("/api/generate", {"model": "demo", "prompt": "x", "stream": False,
+                                          "options": {"num_predict": 2}}),
+                       ("/api/chat", {"model": "demo", "stream": False, "options": {
+                           "num_predict": 2}, "messages": [{"role": "user", "content": "x"}]}),
+                       ("/v1/chat/completions", {"model": "demo", "max_tokens": 2, "messages": [
+                           {"role": "user", "content": "x"}]}),
+                       ("/v1/completions", {"model": "demo", "max_tokens": 2, "prompt": "x"}),
+                       ("/api/show", {"model": "demo"}),
+                       ("/api/pull", {"model": "demo", "stream": False})):
+        r = httpx.post(gw.url + path, json=body, timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"] == JSON_UTF8, (path, r.headers)
+    for path in ("/api/tags", "/api/ps", "/api/version", "/v1/models", "/gateway/api/workers"):
+        assert httpx.get(gw.url + path).headers["content-type"] == JSON_UTF8, path
     with httpx.stream("POST", gw.url + "/api/chat", json={"model": "demo", "messages": [
             {"role": "user", "content": "x"}], "options": {"num_predict": 2}}) as s:
         assert s.headers["content-type"] == "application/x-ndjson"
@@ -185,8 +201,10 @@ def test_case20_content_types(gw):
     for method, path, status in (("POST", "/api/chat", 400), ("GET", "/api/nope", 404),
                                  ("GET", "/api/generate", 405), ("POST", "/api/show", 400)):
         r = httpx.request(method, gw.url + path, content=b"" if method == "POST" else None)
-        assert r.status_code == status and r.headers["content-type"].startswith("application/json")
+        assert r.status_code == status and r.headers["content-type"] == JSON_UTF8
         assert isinstance(r.json()["error"], str)
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "demo", "messages": 5})
+    assert r.status_code == 400 and r.headers["content-type"] == JSON_UTF8
 
 
 def test_case21_and_24_error_shapes_root_version(gw):

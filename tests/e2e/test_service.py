@@ -299,7 +299,7 @@ def test_admin_token_drain_undrain_restart_and_cli_status(gateway_factory):
     api = gw.url + "/gateway/api/admin/workers/demo-cpu1"
     r = httpx.post(api + "/drain")
     assert r.status_code == 401 and r.json()["error"].startswith("admin token required")
-    assert r.headers["content-type"] == "application/json"
+    assert r.headers["content-type"] == "application/json; charset=utf-8"
     r = httpx.post(api + "/drain", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json() == {"error": "invalid admin token"}
     assert r.headers["WWW-Authenticate"].startswith("Bearer")
