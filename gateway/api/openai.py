@@ -373,9 +373,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 def _model_obj(e, name: str | None = None) -> dict:
     """OpenAI's model object of entry ``e`` under ``name`` (its full name, or an alias as
-    configured: ``gpt-4o``, not ``gpt-4o:latest``)."""
+    configured: ``gpt-4o``, not ``gpt-4o:latest``). ``owned_by`` is the name's namespace, as
+    Ollama's ``ToModel`` gives it (``model.ParseName(m).Namespace``): the part before the
+    model's own, ``library`` for a bare name."""
     name = name or e.name
-    owner = name.split("/")[0] if "/" in name else "library"
+    parts = name.split("/")
+    owner = parts[-2] if len(parts) >= 2 else "library"
     return {"id": name, "object": "model", "created": int(e.modified_at.timestamp()),
             "owned_by": owner}
 
@@ -388,9 +391,12 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def model(request: web.Request) -> web.Response:
-    """``GET /v1/models/{id}``: a model that is not served and one the API key may not use both
-    get OpenAI's 404 ``model_not_found``, as the inference routes answer them. An id that names a
-    configured model is its metrics ``model`` label, refused or not (gateway.metrics)."""
+    """``GET /v1/models/{id}``: the model object with ``id`` the name as asked (``Demo`` for
+    ``demo:latest``), as Ollama's ``RetrieveMiddleware`` answers (``ToModel(show, c.Param("model"))``)
+    and as the inference routes echo the asked name. A model that is not served and one the API
+    key may not use both get OpenAI's 404 ``model_not_found``, as the inference routes answer
+    them. An id that names a configured model is its metrics ``model`` label, refused or not
+    (gateway.metrics)."""
     gw = _gw(request)
     name = request.match_info["model"]
     e = gw.inventory.resolve(name)
@@ -401,7 +407,7 @@ async def model(request: web.Request) -> web.Response:
                   if v is e and normalize_model_name(full) == wanted), None)
     if e is None or shown is None:
         raise model_not_found_v1(name)
-    return web.json_response(_model_obj(e, shown), dumps=lambda o: orjson.dumps(o).decode())
+    return web.json_response(_model_obj(e, name), dumps=lambda o: orjson.dumps(o).decode())
 
 
 def routes() -> list[web.RouteDef]:

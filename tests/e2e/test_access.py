@@ -125,7 +125,7 @@ def test_v1_model_the_key_may_not_use_is_openai_model_not_found(secured):
     assert requests_total(secured.url, endpoint, "other:latest", 404) == before["other:latest"] + 2
     assert requests_total(secured.url, endpoint, "", 404) == before[""] + 1
     # a key that may use it gets it
-    assert openai.OpenAI(base_url=secured.url + "/v1", api_key=ADMIN).models.retrieve("other").id == "other:latest"
+    assert openai.OpenAI(base_url=secured.url + "/v1", api_key=ADMIN).models.retrieve("other").id == "other"
     # Ollama routes keep Ollama's shape: 403 for a forbidden model, 404 for an unknown one
     r = httpx.post(secured.url + "/api/show", headers={"Authorization": f"Bearer {WEB}"},
                    json={"model": "other"})
@@ -181,11 +181,13 @@ def test_a_key_allowed_only_an_alias_sees_the_alias_listed(secured):
     h = {"Authorization": f"Bearer {ALIASED}"}
     oc = openai.OpenAI(base_url=secured.url + "/v1", api_key=ALIASED)
     assert [m.id for m in oc.models.list()] == ["other:latest", "gpt-4o"]
-    assert oc.models.retrieve("gpt-4o").id == "gpt-4o"
-    assert oc.models.retrieve("gpt-4o:latest").id == "gpt-4o"
-    assert oc.models.retrieve("GPT-4o").id == "gpt-4o"  # names are case-insensitive
+    # the id is the name as asked, as Ollama's /v1/models/{id} answers; names are
+    # case-insensitive
+    for asked in ("gpt-4o", "gpt-4o:latest", "GPT-4o"):
+        m = oc.models.retrieve(asked)
+        assert (m.id, m.owned_by) == (asked, "library")
     admin = openai.OpenAI(base_url=secured.url + "/v1", api_key=ADMIN)
-    assert admin.models.retrieve("Demo").id == "demo:latest"
+    assert admin.models.retrieve("Demo").id == "Demo"
     with pytest.raises(openai.NotFoundError):
         oc.models.retrieve("demo")  # not a name of the key's model
     tags = httpx.get(secured.url + "/api/tags", headers=h).json()["models"]

@@ -113,7 +113,8 @@ def test_case24_list_ps_show_typed(gw, client):
     assert by_name["Friendly:latest"].digest == by_name["demo:latest"].digest
     for name in ("Friendly", "friendly:latest", "Friendly:latest"):  # as listed, any case
         r = httpx.get(gw.url + f"/v1/models/{name}", timeout=10)
-        assert r.status_code == 200 and r.json()["id"] == "Friendly", (name, r.text)
+        # the name as asked, as Ollama's /v1/models/{id} (ToModel(show, c.Param("model")))
+        assert r.status_code == 200 and r.json()["id"] == name, (name, r.text)
     for m in lst.models:
         assert isinstance(m.modified_at, datetime) and m.size > 0 and len(m.digest) == 64
         d = m.details
