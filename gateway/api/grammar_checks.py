@@ -41,6 +41,11 @@ COUNT_MAX = 2**31 - 1
 #: 4.8 s, 30,000 ``anyOf`` consts 6.6 s, 60,000 of either past the liveness probes, which
 #: killed the worker; fresh testers' measurements).
 UNITS_MAX = 4096
+#: Most times llama.cpp's grammar parser repeats an item (src/llama-grammar.cpp
+#: ``MAX_REPETITION_THRESHOLD``): a larger minimum is its error "number of repetitions exceeds
+#: sane defaults", which llama-server answered as a bare 400 "Failed to initialize samplers:
+#: failed to parse grammar" (``minLength: 3000``; a larger maximum it reads as unbounded).
+REPETITIONS_MAX = 2000
 # The count pairs the worker reads (common/json-schema.cpp), with the type that reads them.
 _COUNT_PAIRS = (("minItems", "maxItems", "array"), ("minLength", "maxLength", "string"))
 # Keys whose value is one schema, a list of schemas, or a mapping of names to schemas: the
@@ -97,13 +102,17 @@ def check_schema(schema, where: str) -> None:
             if _is_int(lo) and _is_int(hi) and lo > hi:
                 raise ApiError(400, f"{path}: {lo_k} ({lo}) is greater than {hi_k} ({hi}); "
                                     f"no value can match the schema")
+            # an array's items after the first are one repetition (json-schema-to-grammar.cpp
+            # build_repetition with a separator), a string's characters another
+            if _is_int(lo) and lo - (kind == "array") > REPETITIONS_MAX:
+                raise ApiError(400, f"{path}: {lo_k} {lo} is more repetitions than the worker's "
+                                    f"grammar takes (at most {REPETITIONS_MAX + (kind == 'array')})")
         if tset is None or tset & {"integer", "number"}:
             _check_bounds(node, path, integer=tset is not None and "integer" in tset)
         if (tset is None or "string" in tset) and isinstance(node.get("pattern"), str):
             bad = _regex_bad_repetition(node["pattern"])
             if bad:
-                raise ApiError(400, f"{path}.pattern: repetition {bad} has its maximum below "
-                                    f"its minimum")
+                raise ApiError(400, f"{path}.pattern: {bad}")
             _check_positions(regex_nested_cost(node["pattern"]), f"{path}.pattern")
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and ref not in refs:
@@ -159,10 +168,11 @@ def _stoi(text: str) -> int | None:
 
 
 def _regex_bad_repetition(pattern: str) -> str:
-    """The first ``{m,n}`` quantifier with ``n < m`` in the regex ``pattern`` (outside escapes
-    and character classes), as text, or "": llama.cpp's json-schema-to-grammar copies regex
-    repetitions into the grammar, reading each number with ``std::stoi`` up to the first ``}``
-    (so ``{5,2x}`` and ``{5,+2}`` are ``{5,2}``)."""
+    """What is wrong with the first bad quantifier in the regex ``pattern`` (outside escapes
+    and character classes), or "": ``{m,n}`` with ``n < m``, or a minimum ``m`` above
+    :data:`REPETITIONS_MAX`. llama.cpp's json-schema-to-grammar copies regex repetitions into
+    the grammar, reading each number with ``std::stoi`` up to the first ``}`` (so ``{5,2x}``
+    and ``{5,+2}`` are ``{5,2}``)."""
     i, n, in_class = 0, len(pattern), False
     while i < n:
         c = pattern[i]
@@ -178,10 +188,13 @@ def _regex_bad_repetition(pattern: str) -> str:
             if j < 0:
                 return ""
             nums = pattern[i + 1:j].split(",")
+            lo = _stoi(nums[0]) if len(nums) <= 2 else None
             if len(nums) == 2:
-                lo, hi = _stoi(nums[0]), _stoi(nums[1])
+                hi = _stoi(nums[1])
                 if lo is not None and hi is not None and hi < lo:
-                    return pattern[i:j + 1]
+                    return f"repetition {pattern[i:j + 1]} has its maximum below its minimum"
+            if lo is not None and lo > REPETITIONS_MAX:
+                return _too_many(pattern[i:j + 1])
             i = j
         i += 1
     return ""
@@ -485,10 +498,17 @@ def check_grammar(text, where: str) -> None:
             if comma and lo.isdigit() and hi.isdigit() and int(hi) < int(lo):
                 raise ApiError(400, f"{where}: repetition {{{lo},{hi}}} has its maximum below "
                                     f"its minimum")
+            if lo.isdigit() and int(lo) > REPETITIONS_MAX:
+                raise ApiError(400, f"{where}: {_too_many('{' + inner + '}')}")
             i = j + 1
         else:
             i += 1
     _check_positions(grammar_nested_cost(text), where)
+
+
+def _too_many(rep: str) -> str:
+    return (f"repetition {rep} repeats more times than the worker's grammar takes (at most "
+            f"{REPETITIONS_MAX})")
 
 
 def _check_positions(found: tuple[int, str], where: str) -> None:

@@ -193,3 +193,32 @@ def test_tool_parameters_are_checked():
     with pytest.raises(ApiError) as e:
         check_tools([good, bad])
     assert "tools[1].function.parameters.properties.xs: minItems (4)" in e.value.message
+
+
+@pytest.mark.parametrize("schema,msg", [
+    ({"type": "string", "minLength": 3000},
+     "format: minLength 3000 is more repetitions than the worker's grammar takes (at most 2000)"),
+    ({"type": "array", "minItems": 2002},
+     "format: minItems 2002 is more repetitions than the worker's grammar takes (at most 2001)"),
+    ({"type": "string", "pattern": "^a{2001}$"},
+     "format.pattern: repetition {2001} repeats more times than the worker's grammar takes "
+     "(at most 2000)"),
+    ({"type": "string", "pattern": "^[0-9]{3000,}$"},
+     "format.pattern: repetition {3000,} repeats more times than the worker's grammar takes "
+     "(at most 2000)")])
+def test_repetition_minimum_past_llama_cpps_threshold_is_400(schema, msg):
+    """llama.cpp's grammar parser refuses a repetition minimum above 2,000
+    (MAX_REPETITION_THRESHOLD), which llama-server answered with a bare "failed to parse
+    grammar"; the limits themselves and larger maximums (read as unbounded) pass."""
+    with pytest.raises(ApiError) as e:
+        check_schema(schema, "format")
+    assert e.value.status == 400 and e.value.message == msg
+    for ok in ({"type": "string", "minLength": 2000, "maxLength": 10000},
+               {"type": "array", "minItems": 2001}, {"type": "string", "pattern": "^a{2000}b{0,5000}$"}):
+        check_schema(ok, "format")
+
+
+def test_grammar_repetition_minimum_past_threshold_is_400():
+    with pytest.raises(ApiError, match=r"grammar: repetition \{2001,\} repeats more times"):
+        check_grammar('root ::= "a"{2001,}', "grammar")
+    check_grammar('root ::= "a"{2000} "b"{0,9000}', "grammar")

@@ -68,6 +68,14 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         ("/api/generate", {"model": "demo", "prompt": "hi", **opts, "format": {
             "type": "string", "pattern": "^" + "[a-z]{0,100}" * 20 + "[a-z]{300}$"}},
          "format.pattern: the repetitions [a-z]{0,100} … [a-z]{0,100} have about 2000 positions"),
+        # past llama.cpp's 2,000 repetitions the worker answered a bare "Failed to initialize
+        # samplers: failed to parse grammar" (this session's find)
+        ("/api/generate", {"model": "demo", "prompt": "hi", **opts,
+                           "format": {"type": "string", "minLength": 2001}},
+         "format: minLength 2001 is more repetitions than the worker's grammar takes (at most 2000)"),
+        ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4,
+                             "grammar": 'root ::= "a"{2001}'},
+         "grammar: repetition {2001} repeats more times than the worker's grammar takes"),
     ]
     for path, body, says in cases:
         t0 = time.monotonic()
@@ -81,6 +89,11 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
     ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
         "model": "demo", "prompt": "hi", "format": {**BAD, "minItems": 1}, **opts})
     assert ok.status_code == 200, ok.text
+    for at_most in ({"type": "string", "minLength": 2000}, {"type": "array", "minItems": 2001},
+                    {"type": "string", "pattern": "^a{2000}$"}):  # the worker's own limits
+        ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
+            "model": "demo", "prompt": "hi", "format": at_most, **opts})
+        assert ok.status_code == 200, (at_most, ok.text)
     ok = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
         "model": "demo", "messages": MSGS, "max_tokens": 4, "grammar": 'root ::= "a"{2,5}'})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in (
