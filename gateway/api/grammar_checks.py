@@ -23,7 +23,10 @@ loses no valid request. Also refused: more than :data:`UNITS_MAX` schema nodes p
 ``enum``/``const`` values, whose grammar the worker builds for longer than its liveness probes
 wait. Only what the worker builds a grammar from is walked (``properties``, ``items``,
 ``anyOf`` …, ``$ref`` targets; not ``not``, annotations, unreferenced ``$defs`` or data such as
-``default``). Fresh testers found the ways past earlier versions.
+``default``). Also refused: nested repetitions past :data:`NESTED_POSITIONS_MAX` grammar
+positions, a bounded repetition of a part that can be empty past :data:`REPEATED_EMPTY_MAX`
+places per character, and a repetition minimum past :data:`REPETITIONS_MAX`. Fresh testers
+found the ways past earlier versions.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def check_schema(schema, where: str) -> None:
             bad = _regex_bad_repetition(node["pattern"])
             if bad:
                 raise ApiError(400, f"{path}.pattern: {bad}")
-            _check_positions(regex_nested_cost(node["pattern"]), f"{path}.pattern")
+            _check_positions(regex_costs(node["pattern"]), f"{path}.pattern")
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and ref not in refs:
             refs.add(ref)
@@ -213,6 +216,21 @@ def _regex_bad_repetition(pattern: str) -> str:
 #: (0.07 s for 64 tokens) have one live position and are not counted.
 NESTED_POSITIONS_MAX = 500
 
+#: Most places one character can go in a repetition of a part that can be empty
+#: (:func:`regex_costs`): ``(a?){0,n}`` matches a run of "a" by choosing which of its ``n``
+#: copies are not empty, so after each character llama.cpp's grammar sampler can be in any of
+#: the ``n`` copies, and it matches every vocabulary token character by character against
+#: each (a recursion that branches again at every character). A part with ``f`` first
+#: characters counts ``n x f``; a nested one multiplies (``((a?){0,16}){0,16}``: 256), and
+#: such repetitions in a row add up. Measured on the pinned llama-server with the demo model,
+#: 48 tokens forced: ``(a?){0,40}`` 7 ms per token, ``(a?){0,60}`` 20 ms, ``(a|b?){0,60}``
+#: (120) 85 ms, ``(a?){0,100}`` 81 ms, ``(a?){0,200}`` 0.86 s, ``(a?){0,300}`` wedged the
+#: worker (a fresh tester's find, the same with a GBNF ``x ::= "a" | ""``);
+#: ``((a{0,5}){0,10}){0,10}`` (100) 1.2 s per token and ``((a?){0,16}){0,16}`` more than 1.9 s,
+#: both within the position count above. An unbounded ``(a?)*`` is one recursive rule (2 ms
+#: per token) and is not counted; ``(a{0,20}){0,20}`` counts 20 (36 ms per token).
+REPEATED_EMPTY_MAX = 64
+
 _QUANT = re.compile(r"\*\??|\+\??|\?\??|\{(\d+)(,(\d*))?\}\??")
 
 
@@ -255,19 +273,31 @@ class _Nesting:
     def __init__(self) -> None:
         self.stack: list[dict] = [self._frame()]
         self.worst: tuple[int, str] = (0, "")
+        #: the largest repeated-empty branching (:data:`REPEATED_EMPTY_MAX`) and its text
+        self.worst_empty: tuple[int, str] = (0, "")
 
     @staticmethod
     def _frame() -> dict:
         # positions so far; the last item varies or is undelimited; every item nullable; an
         # earlier alternative undelimited; the first item's literal text (None: not a literal
-        # met once, or no item yet: "") and the last item's literal text
+        # met once, or no item yet: "") and the last item's literal text. For the
+        # repeated-empty count: first characters of the finished alternatives and of this one
+        # (while its items so far can be empty), whether some alternative can match nothing,
+        # the largest branching inside, and the run of empty-able repetitions in a row
         return {"pos": 0, "open_end": False, "nullable": True, "undelim": False, "first": "",
-                "last": None, "var_pos": 0, "var_n": 0, "var_first": "", "var_literal": None}
+                "last": None, "var_pos": 0, "var_n": 0, "var_first": "", "var_literal": None,
+                "firsts": 0, "alt_firsts": 0, "alt_empty": True, "any_empty": False,
+                "branch": 0, "run": 0, "run_n": 0, "run_text": ""}
 
     def item(self, positions: int, undelimited: bool, lo: int, hi: int | None,
-             text: str, literal: str | None = None, group: bool = False) -> None:
+             text: str, literal: str | None = None, group: bool = False,
+             firsts: int = 1, empty: bool = False, branch: int = 0) -> None:
+        """One item: its positions, whether undelimited, its quantifier and text, its literal
+        text; for a group or rule, also its number of first characters (``firsts``), whether
+        it can match nothing (``empty``) and the largest branching inside it (``branch``)."""
         if hi is not None and hi > 1 and undelimited and hi * positions > self.worst[0]:
             self.worst = (hi * positions, text)
+        self._empty_count(lo, hi, text, firsts, empty, branch)
         f = self.stack[-1]
         f["pos"] += positions * (hi if hi is not None else 1)
         if hi is None or lo != hi or undelimited:  # a varying item: its positions add up
@@ -289,6 +319,28 @@ class _Nesting:
             f["first"] = literal if lo == hi == 1 else None
         f["last"] = literal
 
+    def _empty_count(self, lo: int, hi: int | None, text: str, firsts: int, empty: bool,
+                     branch: int) -> None:
+        f = self.stack[-1]
+        if empty and hi is not None and hi > 1:  # any copy can take the next character
+            firsts = hi * max(firsts, 1)
+            branch = max(branch, firsts)
+        if branch > self.worst_empty[0]:
+            self.worst_empty = (branch, text)
+        can_skip = lo == 0 or empty
+        if f["alt_empty"]:
+            f["alt_firsts"] += firsts
+        f["alt_empty"] = f["alt_empty"] and can_skip
+        if can_skip and branch:  # repetitions that can be empty, in a row: add up
+            f["run"] += branch
+            f["run_n"] += 1
+            f["run_text"] = f["run_text"] or text
+            if f["run_n"] >= 2 and f["run"] > self.worst_empty[0]:
+                self.worst_empty = (f["run"], f"{f['run_text']} … {text}")
+        elif not can_skip:
+            f["run"], f["run_n"], f["run_text"] = 0, 0, ""
+        f["branch"] = max(f["branch"], branch, f["run"])
+
     def _ends_open(self, f: dict) -> bool:
         if f["nullable"]:
             return True
@@ -302,26 +354,37 @@ class _Nesting:
         self.stack[-1] = {**self._frame(), "undelim": f["undelim"], "pos": f["pos"],
                           "var_pos": f["var_pos"], "var_n": f["var_n"],
                           "var_first": f["var_first"],
-                          "var_literal": f["var_literal"]}  # alternatives are live together
+                          "var_literal": f["var_literal"],  # alternatives are live together
+                          "firsts": f["firsts"] + f["alt_firsts"],
+                          "any_empty": f["any_empty"] or f["alt_empty"], "branch": f["branch"]}
 
     def open(self) -> None:
         self.stack.append(self._frame())
 
-    def close(self) -> tuple[int, bool]:
+    def close(self) -> tuple[int, bool, int, bool, int]:
         """End the innermost group (or, with none open, the whole): (its positions, whether
-        it is undelimited in some alternative)."""
+        it is undelimited in some alternative, its first characters, whether it can match
+        nothing, the largest branching inside it)."""
         f = self.stack.pop() if len(self.stack) > 1 else self.stack[0]
-        return max(f["pos"], 1), f["undelim"] or self._ends_open(f)
+        return (max(f["pos"], 1), f["undelim"] or self._ends_open(f),
+                f["firsts"] + f["alt_firsts"], f["any_empty"] or f["alt_empty"], f["branch"])
 
 
 def regex_nested_cost(pattern: str) -> tuple[int, str]:
+    """The positions half of :func:`regex_costs`."""
+    return regex_costs(pattern)[0]
+
+
+def regex_costs(pattern: str) -> tuple[tuple[int, str], tuple[int, str]]:
     """(the largest number of grammar positions a bounded repetition of an undelimited group
     in the regex ``pattern`` multiplies out to, that repetition's text), or (0, ""). A group
     is undelimited when its last item (of any alternative) repeats a varying number of times
     or it can match nothing; its positions are the sum of its items' maximum counts times
     their own positions (unbounded ``*``/``+`` count once: llama.cpp writes them as one
     recursive rule). Escapes and character classes are single items; the pattern is read as
-    llama.cpp's json-schema-to-grammar reads it, without validating it."""
+    llama.cpp's json-schema-to-grammar reads it, without validating it. Second: the largest
+    branching of a bounded repetition of a part that can match nothing, with its text
+    (:data:`REPEATED_EMPTY_MAX`), or (0, "")."""
     fold = _Nesting()
     starts: list[int] = []
     i, n = 0, len(pattern)
@@ -333,8 +396,9 @@ def regex_nested_cost(pattern: str) -> tuple[int, str]:
             i += 3 if pattern.startswith("?:", i + 1) else 1
             continue
         is_group = c == ")" and bool(starts)
+        firsts, empty, branch = 1, False, 0
         if is_group:
-            positions, undelimited = fold.close()
+            positions, undelimited, firsts, empty, branch = fold.close()
             start, i = starts.pop(), i + 1
         elif c == "|":
             fold.alternative()
@@ -351,9 +415,10 @@ def regex_nested_cost(pattern: str) -> tuple[int, str]:
         literal = atom if (len(atom) == 1 and atom != ".") or (
             len(atom) == 2 and atom[0] == "\\" and not atom[1].isalnum()) else None
         lo, hi, qlen = _quantifier(pattern, i)
-        fold.item(positions, undelimited, lo, hi, pattern[start:i + qlen], literal, is_group)
+        fold.item(positions, undelimited, lo, hi, pattern[start:i + qlen], literal, is_group,
+                  firsts, empty, branch)
         i += qlen
-    return fold.worst
+    return fold.worst, fold.worst_empty
 
 
 def _regex_atom_end(pattern: str, i: int) -> int:
@@ -379,21 +444,28 @@ _NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def grammar_nested_cost(text: str) -> tuple[int, str]:
-    """:func:`regex_nested_cost` for a GBNF grammar: its rules' items (literals, classes, rule
+    """The positions half of :func:`grammar_costs`."""
+    return grammar_costs(text)[0]
+
+
+def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str]]:
+    """:func:`regex_costs` for a GBNF grammar: its rules' items (literals, classes, rule
     references, groups) with their quantifiers, a reference standing for the rule's own
     positions (a rule that refers back to itself, a recursion as llama.cpp writes ``*``,
-    counts once). (cost, the repetition's text) of the worst one, or (0, "")."""
+    counts once). An empty literal ``""`` or an empty alternative matches nothing. ((cost,
+    the repetition's text) of the worst one, or (0, ""); the same for the repeated-empty
+    branching)."""
     heads = list(_RULE_HEAD.finditer(text))
     bodies = {m.group(1): text[m.end():(heads[k + 1].start() if k + 1 < len(heads) else
                                          len(text))] for k, m in enumerate(heads)}
-    done: dict[str, tuple[int, bool]] = {}
-    worst: list[tuple[int, str]] = [(0, "")]
+    done: dict[str, tuple[int, bool, int, bool, int]] = {}
+    worst: list[tuple[int, str]] = [(0, ""), (0, "")]
 
-    def rule(name: str, busy: frozenset) -> tuple[int, bool]:
+    def rule(name: str, busy: frozenset) -> tuple[int, bool, int, bool, int]:
         if name in done:
             return done[name]
         if name in busy or name not in bodies:
-            return 1, False
+            return 1, False, 1, False, 0
         fold, body = _Nesting(), bodies[name]
         i, n, starts = 0, len(body), []
         while i < n:
@@ -415,8 +487,9 @@ def grammar_nested_cost(text: str) -> tuple[int, str]:
                 i += 1
                 continue
             start, literal, is_group = i, None, c != '"' and c != "["
+            firsts, empty, branch = 1, False, 0
             if c == ")" and starts:
-                positions, undelimited = fold.close()
+                positions, undelimited, firsts, empty, branch = fold.close()
                 start, i = starts.pop(), i + 1
             elif c in "\"[":
                 close = '"' if c == '"' else "]"
@@ -425,28 +498,32 @@ def grammar_nested_cost(text: str) -> tuple[int, str]:
                     i += 2 if body[i] == "\\" else 1
                 i, positions, undelimited = i + 1, 1, False
                 literal = body[start:i] if c == '"' else None
+                if literal == '""':
+                    firsts, empty = 0, True
             else:
                 m = _NAME.match(body, i)
                 if not m:
                     i += 1
                     continue
                 i = m.end()
-                positions, undelimited = rule(m.group(0), busy | {name})
+                positions, undelimited, firsts, empty, branch = rule(m.group(0), busy | {name})
             j = i
             while j < n and body[j] in " \t":
                 j += 1
             lo, hi, qlen = _grammar_quantifier(body, j)
             if qlen:
                 i = j + qlen
-            fold.item(positions, undelimited, lo, hi, body[start:i].strip(), literal, is_group)
-        if fold.worst[0] > worst[0][0]:
-            worst[0] = fold.worst
+            fold.item(positions, undelimited, lo, hi, body[start:i].strip(), literal, is_group,
+                      firsts, empty, branch)
         done[name] = fold.close()
+        for k, found in enumerate((fold.worst, fold.worst_empty)):
+            if found[0] > worst[k][0]:
+                worst[k] = found
         return done[name]
 
     for name in bodies:
         rule(name, frozenset())
-    return worst[0]
+    return worst[0], worst[1]
 
 
 def _grammar_quantifier(body: str, i: int) -> tuple[int, int | None, int]:
@@ -503,7 +580,7 @@ def check_grammar(text, where: str) -> None:
             i = j + 1
         else:
             i += 1
-    _check_positions(grammar_nested_cost(text), where)
+    _check_positions(grammar_costs(text), where)
 
 
 def _too_many(rep: str) -> str:
@@ -511,11 +588,17 @@ def _too_many(rep: str) -> str:
             f"{REPETITIONS_MAX})")
 
 
-def _check_positions(found: tuple[int, str], where: str) -> None:
-    """Raise ApiError(400) naming ``where`` when ``found`` (:func:`regex_nested_cost` or
-    :func:`grammar_nested_cost`: positions, the repetitions' text) is past
-    :data:`NESTED_POSITIONS_MAX`."""
-    cost, rep = found
+def _check_positions(found: tuple[tuple[int, str], tuple[int, str]], where: str) -> None:
+    """Raise ApiError(400) naming ``where`` when ``found`` (:func:`regex_costs` or
+    :func:`grammar_costs`: (positions, the repetitions' text), (repeated-empty branching, its
+    text)) is past :data:`NESTED_POSITIONS_MAX` or :data:`REPEATED_EMPTY_MAX`."""
+    (cost, rep), (branch, empty_rep) = found
+    if cost <= NESTED_POSITIONS_MAX and branch > REPEATED_EMPTY_MAX:
+        raise ApiError(400, f"{where}: the repetitions {empty_rep} repeat a part that can be "
+                            f"empty, so each character could go in about {branch} places the "
+                            f"worker's grammar would try at once (at most "
+                            f"{REPEATED_EMPTY_MAX}); make the repeated part non-empty (a{{0,n}} "
+                            f"instead of (a?){{0,n}}) or lower the counts")
     if cost > NESTED_POSITIONS_MAX:
         raise ApiError(400, f"{where}: the repetitions {rep} have about {cost} positions "
                             f"the worker's grammar would track at once (at most "

@@ -4,7 +4,8 @@ are refused with 400; everything else passes to the worker unchanged."""
 import pytest
 
 from gateway.api.errors import ApiError
-from gateway.api.grammar_checks import (COUNT_MAX, NESTED_POSITIONS_MAX, check_grammar,
+from gateway.api.grammar_checks import (COUNT_MAX, NESTED_POSITIONS_MAX, REPEATED_EMPTY_MAX,
+                                         check_grammar, grammar_costs, regex_costs,
                                          check_schema, check_tools, grammar_nested_cost,
                                          regex_nested_cost)
 
@@ -222,3 +223,47 @@ def test_grammar_repetition_minimum_past_threshold_is_400():
     with pytest.raises(ApiError, match=r"grammar: repetition \{2001,\} repeats more times"):
         check_grammar('root ::= "a"{2001,}', "grammar")
     check_grammar('root ::= "a"{2000} "b"{0,9000}', "grammar")
+
+
+@pytest.mark.parametrize("pattern,branch", [
+    # a fresh tester's finds: (a?){0,400} was under 500 positions and wedged both workers
+    ("^(a?){0,400}$", 400), ("^(a|){0,2000}$", 2000), ("^(a|b?){0,60}$", 120),
+    ("^((a?){0,16}){0,16}$", 256),          # more than 1.9 s per token
+    ("^((a{0,5}){0,10}){0,10}$", 100),      # 500 positions, 1.2 s per token
+    ("^(a?){0,60}(a?){0,60}$", 120),        # in a row, they add up
+    # at most 64 pass: (a?){0,60} took 20 ms per token, (a?){0,64} 26 ms
+    ("^(a?){0,60}$", 60), ("^(a?b?){0,30}$", 60), ("^(a?){0,60}b(a?){0,60}$", 60),
+    ("^(a{0,20}){0,20}$", 20), (r"^(\s*[a-z]*\s*,?){0,10}$", 40),
+    ("^(a?)*$", 0),                          # unbounded: one recursive rule, 2 ms per token
+    (r"^([a-z]+ ?){1,20}$", 0), (r"^(\w{1,50} ){0,100}$", 0),
+])
+def test_repetitions_of_a_part_that_can_be_empty_are_counted(pattern, branch):
+    assert regex_costs(pattern)[1][0] == branch
+    positions = regex_costs(pattern)[0][0]
+    if branch > REPEATED_EMPTY_MAX and positions <= NESTED_POSITIONS_MAX:
+        with pytest.raises(ApiError) as e:
+            check_schema({"type": "string", "pattern": pattern}, "format")
+        assert e.value.status == 400 and e.value.message.startswith(
+            "format.pattern: the repetitions ") and "repeat a part that can be empty, so each " \
+            f"character could go in about {branch} places" in e.value.message, e.value.message
+    elif positions <= NESTED_POSITIONS_MAX:
+        check_schema({"type": "string", "pattern": pattern}, "format")
+
+
+@pytest.mark.parametrize("grammar,branch", [
+    ('root ::= x{0,600}\nx ::= "a" | ""', 600),  # the tester's: not counted at all before
+    ('root ::= x{0,300}\nx ::= "a" |', 300),     # an empty alternative
+    ('root ::= x{0,100}\nx ::= "a"?', 100),
+    ('root ::= x{0,16}\nx ::= y{0,16}\ny ::= "a"?', 256),
+    ('root ::= x{0,60}\nx ::= "a" | ""', 60), ('root ::= x*\nx ::= "a"?', 0),
+    ('root ::= r\nr ::= "a" r | ""', 0),
+    ('root ::= "{" space (kv ("," space kv)*)? "}"\nkv ::= [a-z]+ ":" space [0-9]+\n'
+     'space ::= | " " | "\\n" [ \\t]{0,20}', 0),  # what llama.cpp writes for a schema
+])
+def test_grammar_repetitions_of_a_part_that_can_be_empty_are_counted(grammar, branch):
+    assert grammar_costs(grammar)[1][0] == branch
+    if branch > REPEATED_EMPTY_MAX and grammar_costs(grammar)[0][0] <= NESTED_POSITIONS_MAX:
+        with pytest.raises(ApiError, match=f"about {branch} places"):
+            check_grammar(grammar, "grammar")
+    else:
+        check_grammar(grammar, "grammar")

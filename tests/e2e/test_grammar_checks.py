@@ -76,6 +76,16 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4,
                              "grammar": 'root ::= "a"{2001}'},
          "grammar: repetition {2001} repeats more times than the worker's grammar takes"),
+        # a repeated part that can be empty: each character can go in any copy, which wedged
+        # both workers under 500 positions (this session's tester: 502 after 25 s, the model
+        # without a worker for 25 s)
+        ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 64,
+                             "grammar": 'root ::= x{0,600}\nx ::= "a" | ""'},
+         "grammar: the repetitions x{0,600} repeat a part that can be empty, so each "
+         "character could go in about 600 places"),
+        ("/api/generate", {"model": "demo", "prompt": "hi", **opts,
+                           "format": {"type": "string", "pattern": "^(a?){0,400}$"}},
+         "format.pattern: the repetitions (a?){0,400} repeat a part that can be empty"),
     ]
     for path, body, says in cases:
         t0 = time.monotonic()
@@ -90,7 +100,8 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         "model": "demo", "prompt": "hi", "format": {**BAD, "minItems": 1}, **opts})
     assert ok.status_code == 200, ok.text
     for at_most in ({"type": "string", "minLength": 2000}, {"type": "array", "minItems": 2001},
-                    {"type": "string", "pattern": "^a{2000}$"}):  # the worker's own limits
+                    {"type": "string", "pattern": "^a{2000}$"},  # the worker's own limits
+                    {"type": "string", "pattern": "^(a?){0,60}$"}):  # 20 ms per token
         ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
             "model": "demo", "prompt": "hi", "format": at_most, **opts})
         assert ok.status_code == 200, (at_most, ok.text)
