@@ -28,7 +28,9 @@ per try: no two of its restarts fell within the 120 s window, so it never counte
 and its model's requests each waited ``queue.timeout_s``; a fresh tester's find) → ``failed``
 for ``failed_retry_s``, then retried (``retry_at`` says when, in ``time.monotonic`` seconds).
 ``restarts`` counts the processes started after the first: the crash that makes the worker
-``failed`` starts none, the try after ``failed_retry_s`` is one.
+``failed`` starts none, the try after ``failed_retry_s`` is one. When that try ends (crashes,
+wedges or does not get ready) before it has run ``STABLE_AFTER_S``, the worker is ``failed``
+again at once, for another ``failed_retry_s``.
 
 The supervisor never routes requests. It reports readiness through two callbacks, and the
 gateway's dispatcher only leases slots of ready workers; an optional third one hears every state
@@ -119,6 +121,9 @@ class WorkerSupervisor:
         self._silent = False  # a request it never answered was answered elsewhere (note_silent)
         self._restart_times: collections.deque[float] = collections.deque()
         self._failed_starts = 0  # starts in a row that ended without getting ready
+        # the try after a crash loop's ``failed_retry_s``: until it has run STABLE_AFTER_S,
+        # one more end makes the worker ``failed`` again at once
+        self._after_failed = False
         self._stall_check: asyncio.Event = asyncio.Event()  # a stall streak wants a check
         self.state = "stopped"
         self.detail = ""
@@ -209,6 +214,7 @@ class WorkerSupervisor:
                     continue
                 exit_task = asyncio.create_task(proc.wait())
                 reason = await self._await_ready(proc, http, exit_task)
+                stable = False  # this run stayed ready for STABLE_AFTER_S
                 if reason is None:
                     self._failed_starts = 0
                     self.ready_since = time.monotonic()
@@ -237,6 +243,7 @@ class WorkerSupervisor:
                         self.on_down(self, reason)
                     if up_s >= self.STABLE_AFTER_S:
                         backoff = self.backoff_initial_s
+                        stable = True
                 else:
                     if not exit_task.done():
                         await proc.stop(self.stop_grace_s)
@@ -249,12 +256,17 @@ class WorkerSupervisor:
                 if self._stopping:  # stopped meanwhile (an admin restart): no restart follows
                     break
                 in_window = self._crash_loop()
-                if in_window or self._failed_starts >= self.crash_loop_restarts:
+                # the try after a crash loop failed too: failed again at once, not after a
+                # whole new loop of backoffs at their maximum (a fresh tester waited 65 s for
+                # a 503 with 3 starts of 3 s; the defaults give 5 × 180 s)
+                again, self._after_failed = self._after_failed and not stable, False
+                if again or in_window or self._failed_starts >= self.crash_loop_restarts:
                     # no restart now: ``restarts`` counts processes started after the first,
                     # so the try after ``failed_retry_s`` is the next one it counts
                     self.crash_loops += 1
                     n = len(self._restart_times) if in_window else self._failed_starts
-                    what = (f"{n} crashes within {self.crash_loop_window_s:g} s" if in_window
+                    what = ("the try after the last crash loop ended too" if again else
+                            f"{n} crashes within {self.crash_loop_window_s:g} s" if in_window
                             else f"{n} starts in a row did not get ready")
                     self._restart_times.clear()
                     self._failed_starts = 0
@@ -269,6 +281,7 @@ class WorkerSupervisor:
                     backoff = self.backoff_max_s
                     if not self._stopping:
                         self.restarts += 1
+                        self._after_failed = True
                     continue
                 self.restarts += 1
                 self._set_state("backoff", reason)

@@ -108,9 +108,17 @@ def test_crash_loop_marks_worker_failed_then_retries(tmp_path, gateway_factory):
     # the detail counts down with the 503s' Retry-After (it said 4 s throughout; a fresh
     # tester's find)
     assert now["detail"].endswith(("; next try in 1 s", "; next try in 2 s")), now["detail"]
+    # the try after the pause crashes too: failed again at once, not after 3 more crashes
+    # with backoffs at their maximum (a fresh tester's request waited 65 s for its 503)
     w2 = wait_for(lambda: next((x for x in gw.workers() if x["crash_loops"] == 2), None), 30,
                   "second crash loop after the retry")
-    assert w2["restarts"] == restarts + 3
+    assert w2["state"] == "failed" and w2["restarts"] == restarts + 1, w2
+    assert w2["detail"].startswith("crash loop: the try after the last crash loop ended too "
+                                   "(last: exited with status 3"), w2["detail"]
+    t0 = time.monotonic()
+    r = httpx.post(gw.url + "/api/generate", json={"model": "demo", "prompt": "x",
+                                                   "stream": False}, timeout=30)
+    assert r.status_code == 503 and time.monotonic() - t0 < 1, r.text
 
 
 def test_a_worker_that_hangs_at_every_start_is_failed_and_its_requests_refused(
