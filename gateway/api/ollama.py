@@ -646,9 +646,11 @@ _NOT_LOADED = frozenset({"failed", "stopped"})
 async def ps(request: web.Request) -> web.Response:
     """Every served model with a worker (the gateway keeps them loaded; a model with none, as
     none is planned here or a reload could not start it, is not), sorted by ``expires_at``
-    descending. A model whose every worker is ``failed`` (crash loop) or ``stopped`` has no
-    process loaded and is not listed either, as Ollama lists only loaded models
-    (``/gateway/api/workers`` still shows those workers).
+    descending. A model whose every worker is ``stopped`` is not listed. One whose workers are
+    all crash-loop ``failed`` is, with their state and detail ("crash loop: …; next try in N
+    s") and no ``size_vram``: field case 13 asks that ``/api/ps`` show a worker that cannot
+    start (hiding it, as Ollama lists only loaded models, left ``ollama ps`` empty with no word
+    why; a fresh tester's find).
 
     ``expires_at``: never, as Ollama shows a model kept forever (``ModelEntry.expires_at``: about
     292 years after the last request), since the gateway does not unload whatever ``keep_alive``
@@ -663,9 +665,9 @@ async def ps(request: web.Request) -> web.Response:
         workers = [w for w in gw.fleet.supervisors.values() if w.spec.alias == e.name]
         if not workers:  # no worker planned here, or a reload's that did not start: not loaded
             continue
-        if all(w.state in _NOT_LOADED for w in workers):
+        if all(w.state == "stopped" for w in workers):
             continue
-        gpu_workers = [w for w in workers if w.spec.gpus]
+        gpu_workers = [w for w in workers if w.spec.gpus and w.state not in _NOT_LOADED]
         models.append({
             "name": e.name, "model": e.name, "size": e.size, "digest": digest,
             "details": e.details(),

@@ -88,9 +88,12 @@ def test_failed_workers_refuse_queued_and_new_requests_at_once_until_an_admin_re
     w = gw.workers()[0]
     assert w["state"] == "failed" and w["detail"].startswith("crash loop: 3 crashes")
     assert gw.status()["queue"]["depth"] == 0
-    # /api/ps lists loaded models only, as Ollama does: no process of this one runs (it was
-    # listed with its failed worker; a tester's find)
-    assert oc.ps().models == []
+    # /api/ps shows it with its failed worker and why, as field case 13 asks (an earlier
+    # version hid it, as Ollama lists only loaded models, and `ollama ps` was empty)
+    [m] = oc.ps().models
+    assert m.model == "demo:latest" and m.size_vram == 0
+    [pw] = httpx.get(gw.url + "/api/ps", timeout=10).json()["models"][0]["workers"]
+    assert pw["state"] == "failed" and pw["detail"].startswith("crash loop: 3 crashes"), pw
 
     # New requests: refused at once, by both clients and in both shapes.
     for call in (lambda: oc.chat(model="demo", messages=MSGS),
