@@ -372,8 +372,9 @@ def test_structured_output_runs_as_a_completion_and_never_answers_500(client):
 def test_models_list_and_retrieve(client):
     ids = sorted(m.id for m in client.models.list().data)
     assert ids == ["demo:latest", "embed:latest", "tooly:latest"]
-    m = client.models.retrieve("demo")
-    assert m.id == "demo:latest" and m.object == "model" and m.created > 0
+    m = client.models.retrieve("demo")  # the id as asked, as Ollama's /v1/models/{id}
+    assert m.id == "demo" and m.object == "model" and m.created > 0
+    assert client.models.retrieve("demo:latest").id == "demo:latest"
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("nope")
     assert e.value.code == "model_not_found" and e.value.body["type"] == "invalid_request_error"
