@@ -287,17 +287,21 @@ class _Nesting:
         return {"pos": 0, "open_end": False, "nullable": True, "undelim": False, "first": "",
                 "last": None, "var_pos": 0, "var_n": 0, "var_first": "", "var_literal": None,
                 "firsts": 0, "alt_firsts": 0, "alt_empty": True, "any_empty": False,
-                "branch": 0, "run": 0, "run_n": 0, "run_text": ""}
+                "branch": 0, "run": 0, "run_n": 0, "run_text": "", "run_lead": None,
+                "alts": False}
 
     def item(self, positions: int, undelimited: bool, lo: int, hi: int | None,
              text: str, literal: str | None = None, group: bool = False,
-             firsts: int = 1, empty: bool = False, branch: int = 0) -> None:
+             firsts: int = 1, empty: bool = False, branch: int = 0,
+             lead: str | None = None) -> None:
         """One item: its positions, whether undelimited, its quantifier and text, its literal
         text; for a group or rule, also its number of first characters (``firsts``), whether
-        it can match nothing (``empty``) and the largest branching inside it (``branch``)."""
+        it can match nothing (``empty``), the largest branching inside it (``branch``) and
+        the literal it starts with (``lead``)."""
         if hi is not None and hi > 1 and undelimited and hi * positions > self.worst[0]:
             self.worst = (hi * positions, text)
-        self._empty_count(lo, hi, text, firsts, empty, branch)
+        self._empty_count(lo, hi, text, firsts, empty, branch,
+                          literal if literal is not None else lead)
         f = self.stack[-1]
         f["pos"] += positions * (hi if hi is not None else 1)
         if hi is None or lo != hi or undelimited:  # a varying item: its positions add up
@@ -320,10 +324,12 @@ class _Nesting:
         f["last"] = literal
 
     def _empty_count(self, lo: int, hi: int | None, text: str, firsts: int, empty: bool,
-                     branch: int) -> None:
+                     branch: int, lead: str | None) -> None:
         f = self.stack[-1]
-        if empty and hi is not None and hi > 1:  # any copy can take the next character
-            firsts = hi * max(firsts, 1)
+        # copies llama.cpp writes out: {m,n} n of them, {m,} m and then one recursive rule
+        copies = hi if hi is not None else (lo + 1 if lo > 1 else 1)
+        if empty and copies > 1:  # any copy can take the next character
+            firsts = copies * max(firsts, 1)
             branch = max(branch, firsts)
         if branch > self.worst_empty[0]:
             self.worst_empty = (branch, text)
@@ -331,15 +337,23 @@ class _Nesting:
         if f["alt_empty"]:
             f["alt_firsts"] += firsts
         f["alt_empty"] = f["alt_empty"] and can_skip
-        if can_skip and branch:  # repetitions that can be empty, in a row: add up
-            f["run"] += branch
+        if can_skip:
+            # parts that can be skipped, in a row: a character can go in any of them
+            # (``a?`` 600 times wedged both workers, a fresh tester's find), so their first
+            # characters add up; a part that starts with another literal than the one
+            # before (optional "key": value pairs) starts a new run, as its text tells the
+            # parts apart
+            if lead is not None and f["run_lead"] not in (None, lead):
+                f["run"], f["run_n"], f["run_text"] = 0, 0, ""
+            f["run_lead"] = lead
+            f["run"] += max(branch, firsts)
             f["run_n"] += 1
             f["run_text"] = f["run_text"] or text
             if f["run_n"] >= 2 and f["run"] > self.worst_empty[0]:
                 self.worst_empty = (f["run"], f"{f['run_text']} … {text}")
-        elif not can_skip:
-            f["run"], f["run_n"], f["run_text"] = 0, 0, ""
-        f["branch"] = max(f["branch"], branch, f["run"])
+        else:
+            f["run"], f["run_n"], f["run_text"], f["run_lead"] = 0, 0, "", None
+        f["branch"] = max(f["branch"], branch, f["run"] if f["run_n"] >= 2 else 0)
 
     def _ends_open(self, f: dict) -> bool:
         if f["nullable"]:
@@ -356,18 +370,21 @@ class _Nesting:
                           "var_first": f["var_first"],
                           "var_literal": f["var_literal"],  # alternatives are live together
                           "firsts": f["firsts"] + f["alt_firsts"],
-                          "any_empty": f["any_empty"] or f["alt_empty"], "branch": f["branch"]}
+                          "any_empty": f["any_empty"] or f["alt_empty"], "branch": f["branch"],
+                          "alts": True}
 
     def open(self) -> None:
         self.stack.append(self._frame())
 
-    def close(self) -> tuple[int, bool, int, bool, int]:
+    def close(self) -> tuple[int, bool, int, bool, int, str | None]:
         """End the innermost group (or, with none open, the whole): (its positions, whether
         it is undelimited in some alternative, its first characters, whether it can match
-        nothing, the largest branching inside it)."""
+        nothing, the largest branching inside it, the literal it starts with or None)."""
         f = self.stack.pop() if len(self.stack) > 1 else self.stack[0]
+        lead = f["first"] if f["first"] and not f["alts"] else None
         return (max(f["pos"], 1), f["undelim"] or self._ends_open(f),
-                f["firsts"] + f["alt_firsts"], f["any_empty"] or f["alt_empty"], f["branch"])
+                f["firsts"] + f["alt_firsts"], f["any_empty"] or f["alt_empty"], f["branch"],
+                lead)
 
 
 def regex_nested_cost(pattern: str) -> tuple[int, str]:
@@ -396,9 +413,9 @@ def regex_costs(pattern: str) -> tuple[tuple[int, str], tuple[int, str]]:
             i += 3 if pattern.startswith("?:", i + 1) else 1
             continue
         is_group = c == ")" and bool(starts)
-        firsts, empty, branch = 1, False, 0
+        firsts, empty, branch, lead = 1, False, 0, None
         if is_group:
-            positions, undelimited, firsts, empty, branch = fold.close()
+            positions, undelimited, firsts, empty, branch, lead = fold.close()
             start, i = starts.pop(), i + 1
         elif c == "|":
             fold.alternative()
@@ -416,7 +433,7 @@ def regex_costs(pattern: str) -> tuple[tuple[int, str], tuple[int, str]]:
             len(atom) == 2 and atom[0] == "\\" and not atom[1].isalnum()) else None
         lo, hi, qlen = _quantifier(pattern, i)
         fold.item(positions, undelimited, lo, hi, pattern[start:i + qlen], literal, is_group,
-                  firsts, empty, branch)
+                  firsts, empty, branch, lead)
         i += qlen
     return fold.worst, fold.worst_empty
 
@@ -458,14 +475,14 @@ def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str]]:
     heads = list(_RULE_HEAD.finditer(text))
     bodies = {m.group(1): text[m.end():(heads[k + 1].start() if k + 1 < len(heads) else
                                          len(text))] for k, m in enumerate(heads)}
-    done: dict[str, tuple[int, bool, int, bool, int]] = {}
+    done: dict[str, tuple[int, bool, int, bool, int, str | None]] = {}
     worst: list[tuple[int, str]] = [(0, ""), (0, "")]
 
-    def rule(name: str, busy: frozenset) -> tuple[int, bool, int, bool, int]:
+    def rule(name: str, busy: frozenset) -> tuple[int, bool, int, bool, int, str | None]:
         if name in done:
             return done[name]
         if name in busy or name not in bodies:
-            return 1, False, 1, False, 0
+            return 1, False, 1, False, 0, None
         fold, body = _Nesting(), bodies[name]
         i, n, starts = 0, len(body), []
         while i < n:
@@ -487,9 +504,9 @@ def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str]]:
                 i += 1
                 continue
             start, literal, is_group = i, None, c != '"' and c != "["
-            firsts, empty, branch = 1, False, 0
+            firsts, empty, branch, lead = 1, False, 0, None
             if c == ")" and starts:
-                positions, undelimited, firsts, empty, branch = fold.close()
+                positions, undelimited, firsts, empty, branch, lead = fold.close()
                 start, i = starts.pop(), i + 1
             elif c in "\"[":
                 close = '"' if c == '"' else "]"
@@ -506,7 +523,8 @@ def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str]]:
                     i += 1
                     continue
                 i = m.end()
-                positions, undelimited, firsts, empty, branch = rule(m.group(0), busy | {name})
+                positions, undelimited, firsts, empty, branch, lead = rule(m.group(0),
+                                                                           busy | {name})
             j = i
             while j < n and body[j] in " \t":
                 j += 1
@@ -514,7 +532,7 @@ def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str]]:
             if qlen:
                 i = j + qlen
             fold.item(positions, undelimited, lo, hi, body[start:i].strip(), literal, is_group,
-                      firsts, empty, branch)
+                      firsts, empty, branch, lead)
         done[name] = fold.close()
         for k, found in enumerate((fold.worst, fold.worst_empty)):
             if found[0] > worst[k][0]:

@@ -235,6 +235,8 @@ def test_grammar_repetition_minimum_past_threshold_is_400():
     ("^(a?){0,60}$", 60), ("^(a?b?){0,30}$", 60), ("^(a?){0,60}b(a?){0,60}$", 60),
     ("^(a{0,20}){0,20}$", 20), (r"^(\s*[a-z]*\s*,?){0,10}$", 40),
     ("^(a?)*$", 0),                          # unbounded: one recursive rule, 2 ms per token
+    ("^" + "a?" * 150 + "$", 150), ("^(a{0,3}){150,}$", 151), ("^(a?){150}$", 150),
+    (r"^(\+\d{1,3})?\s?\(?\d{3}\)?[\s.-]?\d{3}[\s.-]?\d{4}$", 3),  # a phone number
     (r"^([a-z]+ ?){1,20}$", 0), (r"^(\w{1,50} ){0,100}$", 0),
 ])
 def test_repetitions_of_a_part_that_can_be_empty_are_counted(pattern, branch):
@@ -258,7 +260,13 @@ def test_repetitions_of_a_part_that_can_be_empty_are_counted(pattern, branch):
     ('root ::= x{0,60}\nx ::= "a" | ""', 60), ('root ::= x*\nx ::= "a"?', 0),
     ('root ::= r\nr ::= "a" r | ""', 0),
     ('root ::= "{" space (kv ("," space kv)*)? "}"\nkv ::= [a-z]+ ":" space [0-9]+\n'
-     'space ::= | " " | "\\n" [ \\t]{0,20}', 0),  # what llama.cpp writes for a schema
+     'space ::= | " " | "\\n" [ \\t]{0,20}', 3),  # what llama.cpp writes for a schema
+    # parts that can be skipped, in a row (a fresh tester: a? 600 times wedged both workers;
+    # 150 times 0.36 s per token), and {m,} counts, written as m copies
+    ('root ::= ' + '"a"? ' * 150, 150), ('root ::= ' + '[a-z]* ' * 150, 150),
+    ('root ::= x{100,}\nx ::= [a-z]{0,10}', 101),
+    # optional "key": value pairs start with different literals: their text tells them apart
+    ('root ::= "{" ' + " ".join(f'("\\"k{i}\\":" v)?' for i in range(100)) + ' "}"\nv ::= [0-9]+', 0),
 ])
 def test_grammar_repetitions_of_a_part_that_can_be_empty_are_counted(grammar, branch):
     assert grammar_costs(grammar)[1][0] == branch
