@@ -69,13 +69,16 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def check_schema(schema, where: str) -> None:
+def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
     """Raise ApiError(400) naming the place (``where``, then the path inside the schema, e.g.
     ``format.properties.tags``) when ``schema`` holds a bound the pinned llama-server cannot
     take (module docstring), a ``pattern`` with such a repetition, or more than
     :data:`UNITS_MAX` nodes and ``enum``/``const`` values. ``$ref`` targets inside the document
     (``#/…``, wherever they point, as the worker follows them) are checked where they are
-    used. Any other shape is left to the worker's own checks."""
+    used. Any other shape is left to the worker's own checks. With ``rewrite`` (a schema the
+    worker only turns into a grammar: ``format``, ``response_format``, ``json_schema``; not
+    tools, whose schema the model also reads), each string ``pattern`` is replaced in place by
+    :func:`enforceable_pattern` before it is checked."""
     stack = [(schema, where)]
     refs: set[str] = set()
     units = 0
@@ -113,6 +116,8 @@ def check_schema(schema, where: str) -> None:
         if tset is None or tset & {"integer", "number"}:
             _check_bounds(node, path, integer=tset is not None and "integer" in tset)
         if (tset is None or "string" in tset) and isinstance(node.get("pattern"), str):
+            if rewrite:
+                node["pattern"] = enforceable_pattern(node["pattern"])
             bad = _regex_bad_repetition(node["pattern"])
             if bad:
                 raise ApiError(400, f"{path}.pattern: {bad}")
@@ -128,6 +133,57 @@ def check_schema(schema, where: str) -> None:
                 stack.append((v, f"{path}.{k}"))
             elif k in _BY_NAME and isinstance(v, dict):
                 stack.extend((x, f"{path}.{k}.{name}") for name, x in v.items())
+
+
+#: Regex escapes the pinned json-schema-to-grammar does not take (common/json-schema-to-grammar.cpp
+#: ``_visit_pattern``: "unsupported escape", then "accepting any string" with only a line in the
+#: worker's log), as the classes they stand for; inside a class, as its ranges.
+_ESCAPES = {"d": "[0-9]", "D": "[^0-9]", "w": "[a-zA-Z0-9_]", "W": "[^a-zA-Z0-9_]",
+            "s": "[ \\t\\n\\r]", "S": "[^ \\t\\n\\r]"}
+_CLASS_ESCAPES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r"}
+
+
+def enforceable_pattern(pattern: str) -> str:
+    r"""``pattern`` as the pinned llama.cpp can enforce it, meaning the same (JSON Schema's
+    ``pattern``: an ECMA-262 search, anywhere in the string). Its converter took a pattern
+    with ``\d``, ``\w`` or ``\s``, or one without both ``^`` and ``$``, as "any string" and
+    said so only in the worker's log, so ``^\d{4}$`` constrained nothing (a fresh tester's
+    find; Ollama runs the same converter). Here ``\d \D \w \W \s \S`` become classes
+    (``[0-9]`` …; inside a class its ranges; ``\s`` without form feed and vertical tab), and
+    a side without its anchor gets ``.*``: ``[0-9]{4}`` → ``^.*([0-9]{4}).*$``. Other
+    constructs the converter refuses (````, look-arounds, back-references) are left as
+    they are, and the worker still takes the pattern as any string."""
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            out.append(_ESCAPES.get(pattern[i + 1], pattern[i:i + 2]))
+            i += 2
+        elif c == "[":
+            end = _regex_atom_end(pattern, i)
+            j, inner = i, []
+            while j < end:
+                if pattern[j] == "\\" and j + 1 < end:
+                    inner.append(_CLASS_ESCAPES.get(pattern[j + 1], pattern[j:j + 2]))
+                    j += 2
+                else:
+                    inner.append(pattern[j])
+                    j += 1
+            out.append("".join(inner))
+            i = end
+        else:
+            out.append(c)
+            i += 1
+    body = "".join(out)
+    start = body.startswith("^")
+    # a final "$" is an anchor unless an odd number of backslashes escape it
+    end = body.endswith("$") and (len(body) - 1 - len(body[:-1].rstrip("\\"))) % 2 == 0
+    if start and end and len(body) >= 2:
+        return body
+    core = body[1 if start else 0:len(body) - 1 if end else len(body)]
+    if not core:
+        return "^.*$"
+    return "^" + ("" if start else ".*") + "(" + core + ")" + ("" if end else ".*") + "$"
 
 
 def _pointer(doc, ref: str):

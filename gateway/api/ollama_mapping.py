@@ -334,7 +334,7 @@ def format_fields(fmt, *, chat: bool) -> dict:
     if fmt == "json":
         return {"response_format": {"type": "json_object"}} if chat else {"json_schema": {}}
     if isinstance(fmt, dict):
-        check_schema(fmt, "format")  # bounds that would freeze the worker: 400
+        check_schema(fmt, "format", rewrite=True)  # bounds that would freeze the worker: 400
         if chat:
             return {"response_format": {"type": "json_schema",
                                         "json_schema": {"name": "schema", "schema": fmt}}}

@@ -83,7 +83,7 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
         _check_response_format(body["response_format"])
     # llama-server's own fields, passed through: schemas and grammars that would freeze it
     if isinstance(body.get("json_schema"), dict):
-        check_schema(body["json_schema"], "json_schema")
+        check_schema(body["json_schema"], "json_schema", rewrite=True)
     check_grammar(body.get("grammar"), "grammar")
     if body.get("logit_bias") is not None:
         _check_logit_bias(body["logit_bias"], entry.facts.n_vocab)
@@ -273,10 +273,10 @@ def _check_response_format(rf: dict) -> None:
         if js.get("schema") is not None and not isinstance(js["schema"], dict):
             raise ApiError(400, "response_format.json_schema.schema must be an object, got "
                                 f"{_short(js['schema'])}")
-        check_schema(js.get("schema"), "response_format.json_schema.schema")
+        check_schema(js.get("schema"), "response_format.json_schema.schema", rewrite=True)
     if t == "json_object" and rf.get("schema") is not None and not isinstance(rf["schema"], dict):
         raise ApiError(400, f"response_format.schema must be an object, got {_short(rf['schema'])}")
-    check_schema(rf.get("schema"), "response_format.schema")
+    check_schema(rf.get("schema"), "response_format.schema", rewrite=True)
 
 
 def _is_number(v) -> bool:

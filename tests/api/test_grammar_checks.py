@@ -5,6 +5,7 @@ import pytest
 
 from gateway.api.errors import ApiError
 from gateway.api.grammar_checks import (COUNT_MAX, NESTED_POSITIONS_MAX, REPEATED_EMPTY_MAX,
+                                         enforceable_pattern,
                                          check_grammar, grammar_costs, regex_costs,
                                          check_schema, check_tools, grammar_nested_cost,
                                          regex_nested_cost)
@@ -275,3 +276,22 @@ def test_grammar_repetitions_of_a_part_that_can_be_empty_are_counted(grammar, br
             check_grammar(grammar, "grammar")
     else:
         check_grammar(grammar, "grammar")
+
+
+@pytest.mark.parametrize("pattern,sent", [
+    (r"^\d{4}$", "^[0-9]{4}$"), (r"^\d{4}-\d{2}-\d{2}$", "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"),
+    (r"^[\w.-]+@[\w-]+\.\w{2,}$", r"^[a-zA-Z0-9_.-]+@[a-zA-Z0-9_-]+\.[a-zA-Z0-9_]{2,}$"),
+    (r"^[^\d\s]+$", r"^[^0-9 \t\n\r]+$"), (r"^\S+\s\D$", r"^[^ \t\n\r]+[ \t\n\r][^0-9]$"),
+    (r"[0-9]{4}", "^.*([0-9]{4}).*$"), ("abc$", "^.*(abc)$"), ("^abc", "^(abc).*$"),
+    (r"^a\$", r"^(a\$).*$"), (r"^a\\$", r"^a\\$"), ("", "^.*$"), ("^", "^.*$"),
+    (r"^\bx$", r"^\bx$"),  # not takeable either way: left as it is
+    (r"^[\]\d]$", r"^[\]0-9]$"), ("^a|b$", "^a|b$"),
+])
+def test_patterns_are_written_as_the_worker_can_enforce_them(pattern, sent):
+    assert enforceable_pattern(pattern) == sent
+    schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": pattern}}}
+    check_schema(schema, "format", rewrite=True)
+    assert schema["properties"]["v"]["pattern"] == sent
+    tools = {"type": "string", "pattern": pattern}
+    check_schema(tools, "tools[0]")  # tools' schemas, which the model reads, stay as sent
+    assert tools["pattern"] == pattern

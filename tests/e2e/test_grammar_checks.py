@@ -139,3 +139,41 @@ def test_an_invalid_format_is_400_even_when_the_model_cannot_run(gateway_factory
             (path, r.text)
         r = httpx.post(gw.url + path, timeout=30, json={"model": "demo", "stream": False, **body})
         assert r.status_code == 503, (path, r.text)  # drained: the valid request is refused
+
+
+def test_patterns_with_class_escapes_or_no_anchors_are_enforced(gateway_factory):
+    r"""The pinned llama.cpp's schema converter took ``\d``, ``\w``, ``\s`` and a pattern
+    without both anchors as "any string" (a line in the worker's log only), so ``^\d{4}$``
+    answered free text (a fresh tester's find). The gateway writes them as classes and adds
+    ``.*`` for a missing anchor (JSON Schema's pattern is a search): the answers match."""
+    import json
+    import re
+
+    cfg = base_config(free_port())
+    cfg["models"][0].update(cpu=1, slots=2)
+    gw = gateway_factory(cfg)
+    for pattern, full in ((r"^\d{4}$", r"[0-9]{4}"), (r"^\d{4}-\d{2}-\d{2}$", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+                          (r"^\+?[1-9]\d{1,14}$", r"\+?[1-9][0-9]{1,14}")):
+        for seed in (1, 2, 3):
+            r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "hi", "stream": False,
+                "options": {"num_predict": 40, "seed": seed},
+                "format": {"type": "string", "pattern": pattern}})
+            assert r.status_code == 200 and r.json()["done_reason"] == "stop", r.text
+            assert re.fullmatch(full, json.loads(r.json()["response"])), (pattern, r.json())
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "demo", "max_tokens": 40, "seed": 4, "messages": MSGS,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"v": {"type": "string", "pattern": pattern}},
+                "required": ["v"]}}}})
+        assert r.status_code == 200, r.text
+        value = json.loads(r.json()["choices"][0]["message"]["content"])["v"]
+        assert re.fullmatch(full, value), (pattern, value)
+    # a pattern without "$" is a search from its start: "^xyz" makes every answer start with
+    # "xyz" and go on freely (before: any string, the demo model's random text)
+    for seed in (1, 2, 3):
+        r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+            "model": "demo", "prompt": "hi", "stream": False,
+            "options": {"num_predict": 8, "seed": seed},
+            "format": {"type": "string", "pattern": "^xyz"}})
+        assert r.status_code == 200 and r.json()["response"].startswith('"xyz'), r.text
