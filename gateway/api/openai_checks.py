@@ -201,18 +201,22 @@ _NUMBER_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty
 #: as ``40.0`` is what it reads as 40 and passes.
 _INT_FIELDS = ("top_k", "repeat_last_n", "mirostat", "dry_allowed_length", "dry_penalty_last_n",
                "n_keep", "min_keep", "n_indent", "n_discard", "n_cache_reuse",
-               "t_max_predict_ms", "sse_ping_interval", "reasoning_budget_tokens")
+               "t_max_predict_ms", "sse_ping_interval", "reasoning_budget_tokens", "id_slot")
 _BOOL_FIELDS = ("cache_prompt", "ignore_eos", "return_tokens", "timings_per_token",
-                "post_sampling_probs", "return_progress", "parallel_tool_calls")
+                "post_sampling_probs", "return_progress", "parallel_tool_calls",
+                "add_generation_prompt", "grammar_lazy", "parse_tool_calls", "backend_sampling",
+                "verbose")
 #: Fields llama-server reads with ``json_value`` and a default, so that a wrong type was
 #: dropped without a word (``grammar: 5`` generated unconstrained; server-common.h
 #: ``json_value`` logs "Wrong type supplied" and uses the default): the JSON type each must be.
 _SHAPED_FIELDS = (("grammar", str, "a string"), ("json_schema", dict, "an object"),
-                  ("chat_template_kwargs", dict, "an object"))
+                  ("chat_template_kwargs", dict, "an object"),
+                  ("reasoning_format", str, "a string"), ("chat_template", str, "a string"))
 #: Fields that must be a list of strings (server-schema.cpp ``dry_sequence_breakers``,
 #: ``response_fields``: a wrong type was read as the default list); ``samplers`` may also be
 #: one string of sampler letters (another type was ignored).
-_STRING_LIST_FIELDS = ("dry_sequence_breakers", "response_fields", "samplers")
+_STRING_LIST_FIELDS = ("dry_sequence_breakers", "response_fields", "samplers",
+                       "preserved_tokens")
 
 
 def _check_types(body: dict) -> None:

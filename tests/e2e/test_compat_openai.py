@@ -225,6 +225,12 @@ def test_v1_seed_past_64_bits_and_fields_of_the_wrong_type_are_400(gw):
              'chat_template_kwargs must be an object, got "x"'),
             ("/v1/completions", {"prompt": "hi", "samplers": 5},
              "samplers must be a list of strings or a string, got 5"),
+            ("/v1/chat/completions", {"messages": MSG, "add_generation_prompt": "x"},
+             'add_generation_prompt must be a boolean, got "x"'),
+            ("/v1/completions", {"prompt": "hi", "id_slot": "x"}, 'id_slot must be an integer, got "x"'),
+            ("/v1/completions", {"prompt": "hi", "n_indent": "x"}, 'n_indent must be an integer, got "x"'),
+            ("/v1/chat/completions", {"messages": MSG, "reasoning_format": 5},
+             "reasoning_format must be a string, got 5"),
             ("/v1/completions", {"prompt": "hi", "dry_sequence_breakers": "\\n"},
              'dry_sequence_breakers must be a list of strings, got "\\\\n"')):
         r = httpx.post(gw.url + path, json={"model": "demo", "max_tokens": 1, **body}, timeout=10)
