@@ -292,7 +292,27 @@ _QUANT = re.compile(r"\*\??|\+\??|\?\??|\{(\d+)(,(\d*))?\}\??")
 
 def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int]:
     """The quantifier at ``pattern[i:]``: (minimum, maximum or None when unbounded, its
-    length); (1, 1, 0) when none is there."""
+    length); (1, 1, 0) when none is there. Braces are read as llama.cpp's
+    json-schema-to-grammar reads a regex's (``_visit_pattern``): up to the first ``}``, one or
+    two numbers split at ``,``, each as ``std::stoi`` reads it (``{0, 500}``, ``{0,+500}`` and
+    ``{0,500x}`` are ``{0,500}``; a fresh tester's find), an empty minimum 0 and an empty
+    maximum unbounded."""
+    if pattern.startswith("{", i):
+        j = pattern.find("}", i)
+        nums = pattern[i + 1:j].split(",") if j > 0 else []
+        if len(nums) not in (1, 2):
+            return 1, 1, 0
+        if len(nums) == 1:
+            lo = hi = _stoi(nums[0])
+        else:
+            lo = _stoi(nums[0]) if nums[0] else 0
+            hi = _stoi(nums[1]) if nums[1] else None
+            if nums[1] and hi is None:
+                lo = None
+        if lo is None:  # the worker takes the pattern as any string
+            return 1, 1, 0
+        end = j + 1 + (pattern.startswith("?", j + 1))
+        return max(lo, 0), (max(hi, 0) if hi is not None else None), end - i
     m = _QUANT.match(pattern, i)
     if not m:
         return 1, 1, 0
@@ -331,6 +351,8 @@ class _Nesting:
         self.worst: tuple[int, str] = (0, "")
         #: the largest repeated-empty branching (:data:`REPEATED_EMPTY_MAX`) and its text
         self.worst_empty: tuple[int, str] = (0, "")
+        #: alternatives (``|``) seen, every group's together (:data:`UNITS_MAX`)
+        self.alternatives = 0
 
     @staticmethod
     def _frame() -> dict:
@@ -354,7 +376,11 @@ class _Nesting:
         text; for a group or rule, also its number of first characters (``firsts``), whether
         it can match nothing (``empty``), the largest branching inside it (``branch``) and
         the literal it starts with (``lead``)."""
-        if hi is not None and hi > 1 and undelimited and hi * positions > self.worst[0]:
+        # nested repetitions multiply when the repeated part can be empty; without one they
+        # measured fast: (a{1,100}){1,100} (10,000 positions) 9 ms per token,
+        # (\w{1,20}\s?){1,50} 4-6 ms (a fresh tester's false refusal)
+        if hi is not None and hi > 1 and undelimited and empty and \
+                hi * positions > self.worst[0]:
             self.worst = (hi * positions, text)
         self._empty_count(lo, hi, text, firsts, empty, branch,
                           literal if literal is not None else lead)
@@ -419,6 +445,7 @@ class _Nesting:
         return not (f["first"] and f["last"] != f["first"])  # a starting literal delimits
 
     def alternative(self) -> None:
+        self.alternatives += 1
         f = self.stack[-1]
         f["undelim"] = f["undelim"] or self._ends_open(f)
         self.stack[-1] = {**self._frame(), "undelim": f["undelim"], "pos": f["pos"],
@@ -491,14 +518,18 @@ def regex_costs(pattern: str) -> tuple[tuple[int, str], tuple[int, str]]:
         fold.item(positions, undelimited, lo, hi, pattern[start:i + qlen], literal, is_group,
                   firsts, empty, branch, lead)
         i += qlen
-    return fold.worst, fold.worst_empty
+    return fold.worst, fold.worst_empty, fold.alternatives
 
 
 def _regex_atom_end(pattern: str, i: int) -> int:
     """The index after the single item (an escape, a character class, a character) at
     ``pattern[i]``."""
     n = len(pattern)
-    if pattern[i] == "\\":
+    if pattern[i] == "\\":  # \xHH, \uHHHH and \UHHHHHHHH are one character
+        hexes = {"x": 2, "u": 4, "U": 8}.get(pattern[i + 1:i + 2], 0)
+        if hexes and re.fullmatch(r"[0-9a-fA-F]+", pattern[i + 2:i + 2 + hexes] or "-") and \
+                len(pattern[i + 2:i + 2 + hexes]) == hexes:
+            return i + 2 + hexes
         return i + 2
     if pattern[i] != "[":
         return i + 1
@@ -533,6 +564,7 @@ def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str]]:
                                          len(text))] for k, m in enumerate(heads)}
     done: dict[str, tuple[int, bool, int, bool, int, str | None]] = {}
     worst: list[tuple[int, str]] = [(0, ""), (0, "")]
+    alternatives = [0]
 
     def rule(name: str, busy: frozenset) -> tuple[int, bool, int, bool, int, str | None]:
         if name in done:
@@ -590,6 +622,7 @@ def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str]]:
             fold.item(positions, undelimited, lo, hi, body[start:i].strip(), literal, is_group,
                       firsts, empty, branch, lead)
         done[name] = fold.close()
+        alternatives[0] += fold.alternatives
         for k, found in enumerate((fold.worst, fold.worst_empty)):
             if found[0] > worst[k][0]:
                 worst[k] = found
@@ -597,7 +630,7 @@ def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str]]:
 
     for name in bodies:
         rule(name, frozenset())
-    return worst[0], worst[1]
+    return worst[0], worst[1], alternatives[0]
 
 
 def _grammar_quantifier(body: str, i: int) -> tuple[int, int | None, int]:
@@ -662,11 +695,17 @@ def _too_many(rep: str) -> str:
             f"{REPETITIONS_MAX})")
 
 
-def _check_positions(found: tuple[tuple[int, str], tuple[int, str]], where: str) -> None:
+def _check_positions(found: tuple[tuple[int, str], tuple[int, str], int], where: str) -> None:
     """Raise ApiError(400) naming ``where`` when ``found`` (:func:`regex_costs` or
     :func:`grammar_costs`: (positions, the repetitions' text), (repeated-empty branching, its
-    text)) is past :data:`NESTED_POSITIONS_MAX` or :data:`REPEATED_EMPTY_MAX`."""
-    (cost, rep), (branch, empty_rep) = found
+    text), alternatives) is past :data:`NESTED_POSITIONS_MAX`, :data:`REPEATED_EMPTY_MAX` or
+    :data:`UNITS_MAX`."""
+    (cost, rep), (branch, empty_rep), alternatives = found
+    if alternatives >= UNITS_MAX:  # a word list written as one alternation (a fresh
+        # tester's: 19,715 of them wedged both workers, 3,000 took 65 ms per token)
+        raise ApiError(400, f"{where}: {alternatives + 1} alternatives; the worker's grammar "
+                            f"for more than {UNITS_MAX} would take too long to build and "
+                            f"match (an enum has the same limit)")
     if cost <= NESTED_POSITIONS_MAX and branch > REPEATED_EMPTY_MAX:
         raise ApiError(400, f"{where}: the repetitions {empty_rep} repeat a part that can be "
                             f"empty, so each character could go in about {branch} places the "

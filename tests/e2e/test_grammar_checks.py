@@ -86,6 +86,15 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         ("/api/generate", {"model": "demo", "prompt": "hi", **opts,
                            "format": {"type": "string", "pattern": "^(a?){0,400}$"}},
          "format.pattern: the repetitions (a?){0,400} repeat a part that can be empty"),
+        # spelled as the worker reads it ({0, 500} wedged both workers) and a word list as one
+        # alternation (19,715 wedged both; a third tester's finds)
+        ("/api/generate", {"model": "demo", "prompt": "hi", **opts,
+                           "format": {"type": "string", "pattern": "^(a?){0, 500}$"}},
+         "format.pattern: the repetitions (a?){0, 500} repeat a part that can be empty"),
+        ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 4,
+                             "grammar": "root ::= w (\",\" w)*\nw ::= " + " | ".join(
+                                 f'"w{i}"' for i in range(20000))},
+         "grammar: 20000 alternatives"),
     ]
     for path, body, says in cases:
         t0 = time.monotonic()
