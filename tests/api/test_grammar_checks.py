@@ -105,7 +105,8 @@ def test_satisfiable_or_other_schemas_pass(schema):
     ("^" + "(a{0,20}){0,24}" * 10 + "a{100}$", 4_800),
     ("^" + "(a{0,20}){0,24}" * 3 + "a{100}$", 1_440),  # 52.7 s for 32 tokens
     ("^a{0,600}a{0,600}$", 1_200),
-    (r"^[a-zA-Z0-9._%+-]{1,64}@[a-zA-Z0-9.-]{1,253}\.[a-zA-Z]{2,63}$", 380),  # an e-mail
+    # an e-mail: the "@" and "." that must be there end each run (380 before)
+    (r"^[a-zA-Z0-9._%+-]{1,64}@[a-zA-Z0-9.-]{1,253}\.[a-zA-Z]{2,63}$", 0),
     (r"^[A-Za-z]{0,30}\s?[A-Za-z]{0,30}$", 61),
     # a repeated part that cannot be empty is not multiplied: ([a-z]+ " "?){1,20} 2 ms per
     # token, (a{2,4}){0,600} 3 ms, (a{1,100}){1,100} 9 ms on the pinned worker
@@ -146,11 +147,11 @@ def test_delimited_or_flat_repetitions_are_not_counted(pattern):
     ('root ::= ("a" "a"{0,5}){0,600}', 0),  # cannot be empty: 2 ms per token
     ('root ::= ( "a"{0, # c\n 600} ){0,600}', 360_000),  # a comment in the braces
     ('root ::= x{0,600}\nx ::= [a-z]{1,50} " "', 0),        # each ends at its space
-    ('root ::= "[" (v ("," v){0,1000})? "]"\nv ::= [0-9]+', 3),  # each starts with ","
+    ('root ::= "[" (v ("," v){0,1000})? "]"\nv ::= [0-9]+', 0),  # each starts with ",", which ends the run
     ('root ::= r\nr ::= "a" r | ""', 0),                     # recursion counts once
     ('root ::= "a"{0,600} "b"{0,600}', 0),  # different literals
     ('root ::= ' + "x " * 20 + '[^z]{300}\nx ::= [^z]{0,100}', 2_000),  # in a row, by reference
-    ('root ::= row ("\\n" row){0,20}\nrow ::= [a-z]+ ("," [a-z]+){0,10}', 43),  # CSV rows
+    ('root ::= row ("\\n" row){0,20}\nrow ::= [a-z]+ ("," [a-z]+){0,10}', 0),  # CSV rows: each row after the first starts with "\n"
 ])
 def test_grammar_nested_repetitions_are_counted(grammar, cost):
     assert grammar_nested_cost(grammar)[0] == cost
@@ -239,7 +240,11 @@ def test_grammar_repetition_minimum_past_threshold_is_400():
     ("^(a{0,20}){0,20}$", 20), (r"^(\s*[a-z]*\s*,?){0,10}$", 40),
     ("^(a?)*$", 0),                          # unbounded: one recursive rule, 2 ms per token
     ("^" + "a?" * 150 + "$", 150), ("^(a{0,3}){150,}$", 151), ("^(a?){150}$", 150),
-    (r"^(\+\d{1,3})?\s?\(?\d{3}\)?[\s.-]?\d{3}[\s.-]?\d{4}$", 3),  # a phone number
+    (r"^(\+\d{1,3})?\s?\(?\d{3}\)?[\s.-]?\d{3}[\s.-]?\d{4}$", 2),  # a phone number
+    # alternating optional characters: a run of "a" can go in any a? (a fourth tester's find:
+    # 100 times 0.92 s per token, 300 times wedged the worker)
+    ("^" + "a?b?" * 100 + "$", 100), ("^" + "a?b?c?" * 40 + "$", 40),
+    ("^" + "a?b?" * 100 + "[ab]{60}$", 100), ("^" + "a?b?" * 32 + "[ab]{60}$", 32),
     (r"^([a-z]+ ?){1,20}$", 0), (r"^(\w{1,50} ){0,100}$", 0),
 ])
 def test_repetitions_of_a_part_that_can_be_empty_are_counted(pattern, branch):
@@ -269,7 +274,11 @@ def test_repetitions_of_a_part_that_can_be_empty_are_counted(pattern, branch):
     ('root ::= ' + '"a"? ' * 150, 150), ('root ::= ' + '[a-z]* ' * 150, 150),
     ('root ::= x{100,}\nx ::= [a-z]{0,10}', 101),
     # optional "key": value pairs start with different literals: their text tells them apart
-    ('root ::= "{" ' + " ".join(f'("\\"k{i}\\":" v)?' for i in range(100)) + ' "}"\nv ::= [0-9]+', 0),
+    ('root ::= "{" ' + " ".join(f'("\\"k{i}\\":" v)?' for i in range(100)) + ' "}"\nv ::= [0-9]+', 1),
+    ('root ::= ' + '"a"? "b"? ' * 100 + '[ab]{60}', 100),  # the fourth tester's, 0.62 s per token
+    # the fourth tester's false refusals: a "." or a group starting with "\n" between parts
+    ('root ::= row ("\\n" row){0,4}\nrow ::= field ("," field){0,7}\n'
+     'field ::= [a-z0-9]{1,10} | "\\"" [^"\\n]{0,20} "\\""', 0),
 ])
 def test_grammar_repetitions_of_a_part_that_can_be_empty_are_counted(grammar, branch):
     assert grammar_costs(grammar)[1][0] == branch

@@ -95,6 +95,10 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
                              "grammar": "root ::= w (\",\" w)*\nw ::= " + " | ".join(
                                  f'"w{i}"' for i in range(20000))},
          "grammar: 20000 alternatives"),
+        # alternating optional characters (a fourth tester's: 300 times wedged the worker)
+        ("/api/generate", {"model": "demo", "prompt": "hi", **opts, "format": {
+            "type": "string", "pattern": "^" + "a?b?" * 300 + "[ab]{60}$"}},
+         "repeat a part that can be empty, so each character could go in about 300 places"),
     ]
     for path, body, says in cases:
         t0 = time.monotonic()
@@ -110,7 +114,9 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
     assert ok.status_code == 200, ok.text
     for at_most in ({"type": "string", "minLength": 2000}, {"type": "array", "minItems": 2001},
                     {"type": "string", "pattern": "^a{2000}$"},  # the worker's own limits
-                    {"type": "string", "pattern": "^(a?){0,60}$"}):  # 20 ms per token
+                    {"type": "string", "pattern": "^(a?){0,60}$"},  # 20 ms per token
+                    # refused before (a fourth tester's): a "." between the parts ends a run
+                    {"type": "string", "pattern": r"^[a-z0-9]{1,255}\.[a-z0-9]{1,255}$"}):
         ok = httpx.post(gw.url + "/api/generate", timeout=60, json={
             "model": "demo", "prompt": "hi", "format": at_most, **opts})
         assert ok.status_code == 200, (at_most, ok.text)
@@ -122,6 +128,11 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         "model": "demo", "prompt": "hi", "max_tokens": 8,
         "grammar": 'root ::= "[" (v ("," v){0,1000})? "]"\nv ::= [0-9]+'})
     assert ok.status_code == 200, ok.text  # each item starts with ",": not counted
+    ok = httpx.post(gw.url + "/v1/completions", timeout=60, json={  # CSV with quoted fields
+        "model": "demo", "prompt": "hi", "max_tokens": 8,
+        "grammar": 'root ::= row ("\\n" row){0,4}\nrow ::= field ("," field){0,7}\n'
+                   'field ::= [a-z0-9]{1,10} | "\\"" [^"\\n]{0,20} "\\""'})
+    assert ok.status_code == 200, ok.text
     # a delimited one is served at once (each word ends at its space)
     ok = httpx.post(gw.url + "/api/chat", timeout=60, json={
         "model": "demo", "messages": MSGS, **opts,
