@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 
 from gateway.api.errors import ApiError
 
@@ -151,7 +152,7 @@ def enforceable_pattern(pattern: str) -> str:
     find; Ollama runs the same converter). Here ``\d \D \w \W \s \S`` become classes
     (``[0-9]`` …; inside a class its ranges; ``\s`` without form feed and vertical tab), and
     a side without its anchor gets ``.*``: ``[0-9]{4}`` → ``^.*([0-9]{4}).*$``. Other
-    constructs the converter refuses (````, look-arounds, back-references) are left as
+    constructs the converter refuses (``\b``, look-arounds, back-references) are left as
     they are, and the worker still takes the pattern as any string."""
     out, i, n = [], 0, len(pattern)
     while i < n:
@@ -287,7 +288,7 @@ NESTED_POSITIONS_MAX = 500
 #: per token) and is not counted; ``(a{0,20}){0,20}`` counts 20 (36 ms per token).
 REPEATED_EMPTY_MAX = 64
 
-_QUANT = re.compile(r"\*\??|\+\??|\?\??|\{(\d+)(,(\d*))?\}\??")
+_QUANT = re.compile(r"[*+?]\??")  # braces: read by hand in _quantifier
 
 
 def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int]:
@@ -316,15 +317,7 @@ def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int]:
     m = _QUANT.match(pattern, i)
     if not m:
         return 1, 1, 0
-    q = m.group(0).rstrip("?") or "?"
-    if q == "*":
-        return 0, None, m.end() - i
-    if q == "+":
-        return 1, None, m.end() - i
-    if q == "?":
-        return 0, 1, m.end() - i
-    lo = int(m.group(1))
-    hi = lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None)
+    lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[m.group(0)[0]]
     return lo, hi, m.end() - i
 
 
@@ -485,7 +478,7 @@ def regex_nested_cost(pattern: str) -> tuple[int, str]:
     return regex_costs(pattern)[0]
 
 
-def regex_costs(pattern: str) -> tuple[tuple[int, str], tuple[int, str]]:
+def regex_costs(pattern: str) -> tuple[tuple[int, str], tuple[int, str], int]:
     """(the largest number of grammar positions a bounded repetition of an undelimited group
     in the regex ``pattern`` multiplies out to, that repetition's text), or (0, ""). A group
     is undelimited when its last item (of any alternative) repeats a varying number of times
@@ -494,7 +487,7 @@ def regex_costs(pattern: str) -> tuple[tuple[int, str], tuple[int, str]]:
     recursive rule). Escapes and character classes are single items; the pattern is read as
     llama.cpp's json-schema-to-grammar reads it, without validating it. Second: the largest
     branching of a bounded repetition of a part that can match nothing, with its text
-    (:data:`REPEATED_EMPTY_MAX`), or (0, "")."""
+    (:data:`REPEATED_EMPTY_MAX`), or (0, ""). Third: the number of ``|`` in it."""
     fold = _Nesting()
     starts: list[int] = []
     i, n = 0, len(pattern)
@@ -537,8 +530,8 @@ def _regex_atom_end(pattern: str, i: int) -> int:
     n = len(pattern)
     if pattern[i] == "\\":  # \xHH, \uHHHH and \UHHHHHHHH are one character
         hexes = {"x": 2, "u": 4, "U": 8}.get(pattern[i + 1:i + 2], 0)
-        if hexes and re.fullmatch(r"[0-9a-fA-F]+", pattern[i + 2:i + 2 + hexes] or "-") and \
-                len(pattern[i + 2:i + 2 + hexes]) == hexes:
+        digits = pattern[i + 2:i + 2 + hexes]
+        if hexes and len(digits) == hexes and all(c in string.hexdigits for c in digits):
             return i + 2 + hexes
         return i + 2
     if pattern[i] != "[":
@@ -562,13 +555,13 @@ def grammar_nested_cost(text: str) -> tuple[int, str]:
     return grammar_costs(text)[0]
 
 
-def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str]]:
+def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str], int]:
     """:func:`regex_costs` for a GBNF grammar: its rules' items (literals, classes, rule
     references, groups) with their quantifiers, a reference standing for the rule's own
     positions (a rule that refers back to itself, a recursion as llama.cpp writes ``*``,
     counts once). An empty literal ``""`` or an empty alternative matches nothing. ((cost,
     the repetition's text) of the worst one, or (0, ""); the same for the repeated-empty
-    branching)."""
+    branching; the number of ``|`` in all rules)."""
     heads = list(_RULE_HEAD.finditer(text))
     bodies = {m.group(1): text[m.end():(heads[k + 1].start() if k + 1 < len(heads) else
                                          len(text))] for k, m in enumerate(heads)}
