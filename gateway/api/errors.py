@@ -17,6 +17,11 @@ BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceede
 QUEUE_TIMEOUT_MESSAGE = "server busy, please try again.  timed out waiting for a free slot"
 
 
+def shown(v) -> str:
+    """``v`` as JSON, cut at 40 characters: how an error message quotes a client's value."""
+    return orjson.dumps(v).decode()[:40]
+
+
 class ApiError(Exception):
     """Raised by handlers to answer ``status`` with ``message`` in the route's shape.
 

@@ -6,13 +6,12 @@ llama-server does understand (a named ``tool_choice``)."""
 
 from __future__ import annotations
 
-import orjson
-
 from gateway.api.capabilities import model_capabilities, require
-from gateway.api.errors import ApiError
+from gateway.api.errors import ApiError, shown as _short
 from gateway.api.grammar_checks import check_grammar, check_schema, check_tools
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN, past_int64
 from gateway.api.openai_legacy import MAX_LOGPROBS
+from gateway.api.server_fields import check_server_fields, lora_adapters
 
 
 async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dict | None, bool]:
@@ -73,6 +72,10 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
             isinstance(stop, list) and all(isinstance(x, str) for x in stop))):
         raise ApiError(400, "stop must be a string or a list of strings")
     _check_types(body)
+    mcfg = gw.model_config(entry.name) if body.get("lora") else None  # adapters: its args
+    adapters = lora_adapters(list(gw.config.llama_server.extra_args) + list(mcfg.args)) \
+        if mcfg is not None else None
+    check_server_fields(body, required == "messages", adapters)
     # llama-server reads these with a default when the type is wrong (json_value), so a string
     # response_format or logit_bias was dropped without a word
     for k, kinds, what in (("response_format", dict, "an object"),
@@ -250,10 +253,6 @@ def _check_types(body: dict) -> None:
                 and not (k == "samplers" and isinstance(v, str)):
             what = "a list of strings or a string" if k == "samplers" else "a list of strings"
             raise ApiError(400, f"{k} must be {what}, got {_short(v)}")
-
-
-def _short(v) -> str:
-    return orjson.dumps(v).decode()[:40]
 
 
 #: OpenAI's ``response_format.type`` values (llama-server's too, server-common.cpp).

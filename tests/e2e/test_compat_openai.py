@@ -243,6 +243,43 @@ def test_v1_seed_past_64_bits_and_fields_of_the_wrong_type_are_400(gw):
         assert r.status_code == 200, r.text
 
 
+def test_v1_llama_server_fields_it_would_drop_are_400(gw):
+    """llama-server answered 200 and ignored each of these without a word: a LoRA id the
+    worker has no adapter for (the demo loads none), an unknown sampler name, a
+    ``continue_final_message`` it reads as "no", and on the chat route a lazy grammar and its
+    triggers (replaced by the template's own, so the grammar ran from the first token)."""
+    lazy = {"grammar": 'root ::= "zz"', "grammar_lazy": True,
+            "grammar_triggers": [{"type": 1, "value": "<tool_call>"}]}
+    for path, body, msg in (
+            ("/v1/completions", {"prompt": "hi", "lora": [{"id": 0, "scale": 1.0}]},
+             "lora[0].id 0: this model's workers have no LoRA adapters (its args load none: --lora)"),
+            ("/v1/chat/completions", {"messages": MSG, "lora": [5]},
+             "lora[0] must be an object with an integer id and a number scale, got 5"),
+            ("/v1/completions", {"prompt": "hi", "samplers": ["top_k", "bogus"]},
+             'samplers: unknown sampler "bogus" (known: dry, top_k, top_p, top_n_sigma, typ_p, '
+             'min_p, temperature, xtc, infill, penalties, adaptive_p)'),
+            ("/v1/chat/completions", {"messages": MSG, "continue_final_message": 5},
+             'continue_final_message must be a boolean, "content" or "reasoning_content", got 5'),
+            ("/v1/chat/completions", {"messages": MSG, **lazy},
+             "grammar_lazy is not applied on /v1/chat/completions (llama-server replaces it "
+             "with the chat template's own); send a lazy grammar to /v1/completions"),
+            # llama-server's own answer was its JSON library's text
+            ("/v1/completions", {"prompt": "hi", "grammar_triggers": ["<tool_call>"]},
+             'grammar_triggers[0] must be an object with a type 0-3 (token, word, pattern, full '
+             'pattern), a string value and, for type 0, an integer token; got "<tool_call>"')):
+        r = httpx.post(gw.url + path, json={"model": "demo", "max_tokens": 2, **body}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["message"] == msg, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    # what llama-server does apply still runs: the lazy grammar on the completion route,
+    # known sampler aliases, an empty LoRA list
+    for body in (lazy, {"samplers": ["Top-K", "temp"], "lora": []},
+                 {"samplers": "kt", "continue_final_message": False}):
+        r = httpx.post(gw.url + "/v1/completions", timeout=30, json={
+            "model": "demo", "prompt": "hi", "max_tokens": 2, **body})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+
+
 def test_v1_completions_logprobs_in_openais_legacy_shape(gw, client):
     """``/v1/completions`` ``logprobs: N`` comes as OpenAI's ``tokens`` / ``token_logprobs`` /
     ``top_logprobs`` / ``text_offset`` (llama-server sends its chat-style ``content`` list, which
