@@ -199,6 +199,18 @@ def _v_pos_float(v: object) -> float:
     raise _Invalid(((), f"expected a positive number, got {_got(v)}"))
 
 
+#: The shortest polling interval (s) the config takes: below it the gateway polls each worker
+#: without pause (``poll_interval_s: 1e-9`` passed check-config).
+MIN_INTERVAL_S = 0.01
+
+
+def _v_interval(v: object) -> float:
+    if _is_number(v) and v >= MIN_INTERVAL_S:
+        return float(v)
+    raise _Invalid(((), f"expected a number of seconds of at least {MIN_INTERVAL_S} (10 ms), "
+                        f"got {_got(v)}"))
+
+
 def _v_bool(v: object) -> bool:
     if isinstance(v, bool):
         return v
@@ -352,6 +364,9 @@ _DEFAULT_HOST, _DEFAULT_NAMESPACE = "registry.ollama.ai/", "library/"
 
 #: llama-server reads its integer arguments (``-c``, ``-np``) as a C ``int``.
 INT32_MAX = 2**31 - 1
+#: llama.cpp's most sequences per context (src/llama-cparams.h ``LLAMA_MAX_SEQ``): a worker
+#: with more slots exits at start (``n_seq_max must be <= 256``).
+MAX_SLOTS = 256
 
 
 def normalize_model_name(name: str) -> str:
@@ -462,6 +477,7 @@ OptPositiveInt = Annotated[Union[int, None], PlainValidator(_v_opt_pos_int)]
 NonNegInt = Annotated[int, PlainValidator(_v_nonneg_int)]
 StrictInt = Annotated[int, PlainValidator(_v_int)]
 PositiveFloat = Annotated[float, PlainValidator(_v_pos_float)]
+Interval = Annotated[float, PlainValidator(_v_interval)]
 StrictBool = Annotated[bool, PlainValidator(_v_bool)]
 StrList = Annotated[list[str], PlainValidator(_v_str_list)]
 
@@ -566,7 +582,7 @@ class LlamaServerConfig(_Section):
     """Arguments appended to every worker's command line."""
     startup_timeout_s: PositiveFloat = 180.0
     """Seconds a worker may take from spawn to a healthy ``/health`` (model load)."""
-    health_interval_s: PositiveFloat = 0.25
+    health_interval_s: Interval = 0.25
     """Seconds between health polls."""
     restart_backoff_initial_s: PositiveFloat = 0.5
     """First delay (s) before restarting a crashed worker; doubles per consecutive crash."""
@@ -574,7 +590,7 @@ class LlamaServerConfig(_Section):
     """Upper bound (s) of the restart delay."""
     stop_grace_s: PositiveFloat = 10.0
     """Seconds between SIGTERM and SIGKILL when stopping a worker."""
-    liveness_interval_s: PositiveFloat = 2.0
+    liveness_interval_s: Interval = 2.0
     """Seconds between liveness probes of a ready worker (``GET /slots`` with a timeout)."""
     liveness_timeout_s: PositiveFloat = 5.0
     """Seconds a liveness probe may take; 2 failures in a row mark the worker wedged."""
@@ -653,7 +669,7 @@ class SchedulerConfig(_Section):
     model's other workers (gateway/speed.py; mixed GPU models). False: every worker counts as
     equally fast (``speed`` 1.0 in ``/gateway/api/workers``); its per-sequence decode rate is
     still measured and shown (``sequence_tokens_per_s``)."""
-    poll_interval_s: PositiveFloat = 0.25
+    poll_interval_s: Interval = 0.25
     """Seconds between polls of each worker's /slots and /metrics."""
     poll_timeout_s: PositiveFloat = 1.0
     """Timeout (s) of one /slots or /metrics poll."""
@@ -901,8 +917,17 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _c_fits_llama_server(self) -> "ModelConfig":
         """llama-server reads ``-c`` (slots × context) with ``std::stoi``: past a 32-bit int
-        its workers exit at start (``error while handling argument "-c": stoi``)."""
+        its workers exit at start (``error while handling argument "-c": stoi``), as they do
+        with more than :data:`MAX_SLOTS` slots."""
         slots = max([self.slots, *self.slots_per_gpu.values()])
+        if slots > MAX_SLOTS:
+            _fail(f"{slots} slots per worker is more than llama.cpp's {MAX_SLOTS} sequences "
+                  f"per context (LLAMA_MAX_SEQ; its workers exit at start: n_seq_max must be "
+                  f"<= {MAX_SLOTS})", "slots_per_gpu" if slots > self.slots else "slots")
+        np_args = [int(v) for _, v in flag_values(self.args, SLOT_FLAGS) if v and v.isdigit()]
+        if np_args and max(np_args) > MAX_SLOTS:
+            _fail(f"-np {max(np_args)} is more than llama.cpp's {MAX_SLOTS} sequences per "
+                  f"context (LLAMA_MAX_SEQ; its workers exit at start)", "args")
         if slots * self.context > INT32_MAX:
             _fail(f"slots × context is {slots} × {self.context} = {slots * self.context} "
                   f"tokens, more than llama-server's -c takes ({INT32_MAX})", "context")

@@ -496,3 +496,30 @@ def test_context_times_slots_must_fit_llama_servers_int():
         "models[0].context: slots × context is 2 × 3000000000 = 6000000000 tokens, more than "
         "llama-server's -c takes (2147483647)"]
     assert parse_config(base(slots=1, context=2**31 - 1)).models[0].context == 2**31 - 1
+
+
+def test_slots_past_llama_cpps_sequence_limit_are_refused():
+    """llama.cpp refuses more than 256 sequences per context: a worker with ``slots: 1000``
+    passed check-config and exited at start (``n_seq_max must be <= 256``; this session's
+    find, checked on the pinned llama-server, which at ``-np 100000`` aborts making threads)."""
+    msg = ("{n} slots per worker is more than llama.cpp's 256 sequences per context "
+           "(LLAMA_MAX_SEQ; its workers exit at start: n_seq_max must be <= 256)")
+    assert errors_of(base(slots=257, context=512)) == ["models[0].slots: " + msg.format(n=257)]
+    assert errors_of(base(slots_per_gpu={1: 300}, context=512)) == [
+        "models[0].slots_per_gpu: " + msg.format(n=300)]
+    assert errors_of(base(args=["-np", "1000"], context=512)) == [
+        "models[0].args: -np 1000 is more than llama.cpp's 256 sequences per context "
+        "(LLAMA_MAX_SEQ; its workers exit at start)"]
+    assert parse_config(base(slots=256, context=512)).models[0].slots == 256
+
+
+def test_polling_intervals_have_a_floor():
+    """``poll_interval_s: 1e-9`` passed check-config, and the gateway would poll each worker
+    without pause; the floor is 10 ms."""
+    for section, key in (("scheduler", "poll_interval_s"), ("llama_server", "health_interval_s"),
+                         ("llama_server", "liveness_interval_s")):
+        data = {**base(), section: {key: 0.001}}
+        assert errors_of(data) == [
+            f"{section}.{key}: expected a number of seconds of at least 0.01 (10 ms), got 0.001"]
+        data[section][key] = 0.01
+        assert getattr(getattr(parse_config(data), section), key) == 0.01
