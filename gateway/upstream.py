@@ -96,6 +96,26 @@ class UpstreamError(Exception):
 #: has no projector for (server-common.cpp). The gateway answers them 400.
 CLIENT_FAULT_500 = ("Failed to parse", "json.exception", "input is not supported")
 
+#: llama-server's text when the token it sampled is not one the request's grammar allows,
+#: which happens when the grammar allows no token that sampling kept: a ``logit_bias`` that
+#: bans every token the grammar allows at that point (llama-grammar.cpp
+#: ``llama_grammar_accept_token``; it answered 500, or an error event after a 200). The
+#: request's fault, so 400 with :data:`GRAMMAR_DEAD_END_MESSAGE` in front.
+GRAMMAR_DEAD_END_TEXT = "Unexpected empty grammar stack"
+GRAMMAR_DEAD_END_MESSAGE = ("the request's grammar allows no token that sampling kept (a "
+                            "logit_bias that bans every token the grammar allows here?); "
+                            "llama-server: ")
+
+
+def _client_fault(status: int, message: str) -> tuple[int, str]:
+    """(status, message) of a llama-server error: a 500 that is the request's fault
+    (:data:`CLIENT_FAULT_500`, :data:`GRAMMAR_DEAD_END_TEXT`) is 400."""
+    if status == 500 and GRAMMAR_DEAD_END_TEXT in message:
+        return 400, GRAMMAR_DEAD_END_MESSAGE + message
+    if status == 500 and any(t in message for t in CLIENT_FAULT_500):
+        return 400, message
+    return status, message
+
 
 def parse_error_body(status: int, body: bytes) -> UpstreamError:
     """Turn a llama-server error body ``{"error":{"code","message","type"}}`` into UpstreamError.
@@ -103,8 +123,8 @@ def parse_error_body(status: int, body: bytes) -> UpstreamError:
     ``n_ctx``, server-common.cpp) gets the gateway's words for that fault
     (``texts.context_overflow``), as the prompt length check words it: a chat that passed
     that check (it counts the messages, not the chat template) and that the worker refuses
-    reads the same on every route. A 500 whose text is in :data:`CLIENT_FAULT_500` is 400; KV
-    exhaustion is 503 ``kv_exhausted`` (see :func:`error_event`)."""
+    reads the same on every route. A 500 that is the request's fault is 400
+    (:func:`_client_fault`); KV exhaustion is 503 ``kv_exhausted`` (see :func:`error_event`)."""
     try:
         data = orjson.loads(body)
         err = data.get("error", data) if isinstance(data, dict) else data
@@ -115,8 +135,7 @@ def parse_error_body(status: int, body: bytes) -> UpstreamError:
             message = str(err.get("message") or err)
             if message == KV_EXHAUSTED_WORKER_TEXT:  # load, as in error_event
                 return UpstreamError(503, KV_EXHAUSTED_MESSAGE, "kv_exhausted")
-            if status == 500 and any(t in message for t in CLIENT_FAULT_500):
-                status = 400
+            status, message = _client_fault(status, message)
             return UpstreamError(status, message, kind)
         return UpstreamError(status, str(err))
     except orjson.JSONDecodeError:
@@ -126,7 +145,8 @@ def parse_error_body(status: int, body: bytes) -> UpstreamError:
 def error_event(err) -> UpstreamError:
     """The ``error`` of a llama-server ``{"error": {"code", "message", "type"}}`` SSE event (sent
     when a stream fails after it began) as UpstreamError: status = its ``code`` (500 when absent
-    or not an integer), the status llama-server answers the same error with non-streamed.
+    or not an integer), the status llama-server answers the same error with non-streamed; a
+    500 that is the request's fault is 400 (:func:`_client_fault`).
 
     Its KV exhaustion (``texts.KV_EXHAUSTED_WORKER_TEXT``: a decode found no free KV cells, so
     every running request on the worker failed, which happens when slots share one cache,
@@ -138,7 +158,11 @@ def error_event(err) -> UpstreamError:
     code, message = err.get("code", 500), err.get("message", str(err))
     if message == KV_EXHAUSTED_WORKER_TEXT:
         return UpstreamError(503, KV_EXHAUSTED_MESSAGE, "kv_exhausted")
-    return UpstreamError(code if isinstance(code, int) else 500, message, err.get("type", ""))
+    if not isinstance(code, int):
+        code = 500
+    if isinstance(message, str):
+        code, message = _client_fault(code, message)
+    return UpstreamError(code, message, err.get("type", ""))
 
 
 def _watchdog_limits(config) -> dict:

@@ -11,7 +11,8 @@ from gateway.admission import Admission
 from gateway.config import parse_config
 from gateway.scheduling import Dispatcher
 from gateway.texts import CONTEXT_OVERFLOW_MESSAGE, KV_EXHAUSTED_MESSAGE
-from gateway.upstream import Upstream, error_event, iter_sse_batches, parse_error_body
+from gateway.upstream import (GRAMMAR_DEAD_END_MESSAGE, Upstream, error_event, iter_sse_batches,
+                              parse_error_body)
 from tests.test_worker_http import post, serve
 
 
@@ -132,6 +133,22 @@ def test_worker_500s_that_are_the_clients_fault_are_400():
     e = parse_error_body(500, b'{"error":{"code":500,"message":"got exception: out of memory"}}')
     assert (e.status, e.message) == (500, "got exception: out of memory")
     assert parse_error_body(501, b'{"error":{"message":"audio input is not supported"}}').status == 501
+
+
+def test_a_grammar_left_without_tokens_is_the_requests_fault():
+    """llama-server answers 500 (or a 500 error event) "Unexpected empty grammar stack" when
+    sampling kept no token the grammar allows, e.g. a logit_bias banning them all: 400 with
+    the gateway's words in front, in both shapes."""
+    text = "got exception: Unexpected empty grammar stack after accepting piece: \u001e (30)"
+    err = {"code": 500, "message": text, "type": "server_error"}
+    for e in (error_event(err), parse_error_body(500, orjson.dumps({"error": err}))):
+        assert e.status == 400
+        assert e.message == GRAMMAR_DEAD_END_MESSAGE + text
+        assert e.message.startswith("the request's grammar allows no token that sampling kept")
+    # streamed events take CLIENT_FAULT_500 as answers do
+    e = error_event({"code": 500, "message": "Failed to parse messages: x"})
+    assert (e.status, e.message) == (400, "Failed to parse messages: x")
+    assert error_event({"code": "x", "message": "Compute error."}).status == 500
 
 
 def test_kv_exhaustion_is_load_not_a_server_fault():

@@ -280,6 +280,28 @@ def test_v1_llama_server_fields_it_would_drop_are_400(gw):
         assert r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_logit_bias_that_bans_every_token_of_the_grammar_is_400(gw):
+    """llama-server answered 500 ``got exception: Unexpected empty grammar stack …`` (or sent
+    that error event in a 200 stream) when ``logit_bias`` banned every token the grammar
+    allowed: the request's fault, a 400 that says why; the worker keeps serving."""
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 3, "grammar": 'root ::= "a"',
+            "logit_bias": {"a": False}}
+    r = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"].startswith("the request's grammar allows no token that sampling "
+                                     "kept (a logit_bias that bans every token the grammar "
+                                     "allows here?); llama-server: ")
+    assert "Unexpected empty grammar stack" in err["message"]
+    with httpx.stream("POST", gw.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "invalid_request_error", events
+    ok = httpx.post(gw.url + "/v1/completions", timeout=30, json={**body, "logit_bias": {}})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "a"
+
+
 def test_v1_completions_logprobs_in_openais_legacy_shape(gw, client):
     """``/v1/completions`` ``logprobs: N`` comes as OpenAI's ``tokens`` / ``token_logprobs`` /
     ``top_logprobs`` / ``text_offset`` (llama-server sends its chat-style ``content`` list, which
