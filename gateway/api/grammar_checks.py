@@ -35,7 +35,7 @@ import math
 import re
 import string
 
-from gateway.api.errors import ApiError
+from gateway.api.errors import ApiError, shown
 
 #: Largest count llama.cpp's schema reader keeps (a C ``int``).
 COUNT_MAX = 2**31 - 1
@@ -117,6 +117,9 @@ def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
         if tset is None or tset & {"integer", "number"}:
             _check_bounds(node, path, integer=tset is not None and "integer" in tset)
         if (tset is None or "string" in tset) and isinstance(node.get("pattern"), str):
+            if _unterminated_class(node["pattern"]):  # the worker's 400 named the rewrite
+                raise ApiError(400, f"{path}.pattern: unterminated character class (a [ "
+                                    f"without its ]) in {shown(node['pattern'])}")
             if rewrite:
                 node["pattern"] = enforceable_pattern(node["pattern"])
             bad = _regex_bad_repetition(node["pattern"])
@@ -144,6 +147,26 @@ _ESCAPES = {"d": "[0-9]", "D": "[^0-9]", "w": "[a-zA-Z0-9_]", "W": "[^a-zA-Z0-9_
 _CLASS_ESCAPES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r"}
 
 
+def _unterminated_class(pattern: str) -> bool:
+    """Whether a ``[`` of the regex ``pattern`` has no ``]`` after it, read as llama.cpp's
+    json-schema-to-grammar reads a class (``_visit_pattern``: to the first unescaped ``]``,
+    "unterminated character class" otherwise) and as ECMA-262 does."""
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "\\":
+            i += 2
+        elif pattern[i] == "[":
+            i += 1
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            if i >= n:
+                return True
+            i += 1
+        else:
+            i += 1
+    return False
+
+
 def enforceable_pattern(pattern: str) -> str:
     r"""``pattern`` as the pinned llama.cpp can enforce it, meaning the same (JSON Schema's
     ``pattern``: an ECMA-262 search, anywhere in the string). Its converter took a pattern
@@ -162,6 +185,9 @@ def enforceable_pattern(pattern: str) -> str:
             i += 2
         elif c == "[":
             end = _regex_atom_end(pattern, i)
+            if end > n:  # no "]": the worker's own 400 (unterminated character class)
+                out.append(pattern[i:])
+                break
             j, inner = i, []
             while j < end:
                 if pattern[j] == "\\" and j + 1 < end:

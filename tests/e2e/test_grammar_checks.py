@@ -99,6 +99,21 @@ def test_schemas_and_grammars_that_would_freeze_the_worker_get_400(tmp_path, gat
         ("/api/generate", {"model": "demo", "prompt": "hi", **opts, "format": {
             "type": "string", "pattern": "^" + "a?b?" * 300 + "[ab]{60}$"}},
          "repeat a part that can be empty, so each character could go in about 300 places"),
+        # an unclosed class: the gateway's pattern rewrite raised IndexError, a 500 (a
+        # fifth tester's find); in a tool schema too, which is not rewritten
+        ("/api/generate", {"model": "demo", "prompt": "hi", **opts,
+                           "format": {"type": "string", "pattern": "[a-"}},
+         'format.pattern: unterminated character class (a [ without its ]) in "[a-"'),
+        ("/v1/chat/completions", {"model": "demo", "messages": MSGS, "max_tokens": 4,
+                                  "response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "x", "schema": {"type": "object", "properties": {
+                                          "s": {"type": "string", "pattern": "[\\"}}}}}},
+         'response_format.json_schema.schema.properties.s.pattern: unterminated character '
+         'class (a [ without its ]) in "[\\\\"'),
+        ("/api/chat", {"model": "demo", "messages": MSGS, **opts, "tools": [{
+            "type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"s": {"type": "string", "pattern": "^[^$"}}}}}]},
+         "tools[0].function.parameters.properties.s.pattern: unterminated character class"),
     ]
     for path, body, says in cases:
         t0 = time.monotonic()
