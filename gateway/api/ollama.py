@@ -324,7 +324,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                     if out is None:
                         out = await prepare_ndjson(request, ready)
                     lines.append(b"")
-                    await out.write(b"\n".join(lines))  # newline-delimited
+                    await out.write(ndjson_safe(b"\n".join(lines)))  # newline-delimited
                     lines.clear()
 
                 async for batch in iter_sse_batches(resp):
@@ -381,7 +381,7 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
         return json_body(orjson.dumps(obj))
     if out is None:
         out = await prepare_ndjson(request)
-    await out.write_eof(orjson.dumps(obj) + b"\n")  # last line and end of stream in one write
+    await out.write_eof(ndjson_safe(orjson.dumps(obj)) + b"\n")  # last line and end of stream in one write
     return out
 
 
@@ -398,7 +398,7 @@ def _unecho(content: str, echoed: str) -> tuple[str, str]:
 async def _end_with_error(out: web.StreamResponse, message: str) -> web.StreamResponse:
     """End a started NDJSON stream with Ollama's ``{"error": message}`` line (routes.go
     streamResponse); returns ``out``."""
-    await out.write(orjson.dumps({"error": message}) + b"\n")
+    await out.write(ndjson_safe(orjson.dumps({"error": message})) + b"\n")
     await out.write_eof()
     return out
 
@@ -408,6 +408,24 @@ def _refused(gw, e: Exception) -> web.Response:
     ``errors.admission_error``) as Ollama's ``{"error": ...}`` with its status and Retry-After."""
     err = admission_error(e, gw.config.queue.retry_after_s)
     return ollama_error(err.status, err.message, err.headers)
+
+
+#: Characters JSON may carry raw that Python's ``str.splitlines`` ends a line at, and so
+#: httpx's ``iter_lines``, which the ``ollama`` Python client (and LangChain's, through it)
+#: reads NDJSON with: a model's U+2028 cut the line and the client failed with
+#: ``JSONDecodeError`` mid-answer (a fresh tester's find). Go's encoder, Ollama's, escapes
+#: U+2028 and U+2029; U+0085 too here. orjson already escapes the other ones (below U+0020).
+_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"),
+                (b"\xc2\x85", b"\\u0085"))
+
+
+def ndjson_safe(data: bytes) -> bytes:
+    """``data`` (orjson output: valid UTF-8 JSON) with :data:`_LINE_BREAKS` written as
+    ``\\uXXXX`` escapes, so that no JSON line of a stream is split by a client."""
+    if b"\xe2\x80" in data or b"\xc2\x85" in data:
+        for raw, escaped in _LINE_BREAKS:
+            data = data.replace(raw, escaped)
+    return data
 
 
 def ndjson_response(request: web.Request) -> web.StreamResponse:

@@ -50,6 +50,26 @@ def test_generate_stream_and_not_with_context_round_trip(client):
     assert parts[-1].context[:len(r.context)] == r.context
 
 
+def test_line_separators_in_an_answer_do_not_break_the_ollama_client(gw, client):
+    """The ``ollama`` client reads NDJSON with httpx's ``iter_lines``, which also ends a line at
+    U+2028, U+2029 and U+0085: written raw, one cut the JSON line and the client raised
+    ``JSONDecodeError`` mid-stream (a fresh tester's find). They are sent as escapes."""
+    for ch in ("\u2028", "\u2029", "\x85"):
+        fmt = {"const": f"a{ch}b"}  # the grammar forces the character into the answer
+        text = "".join(c.response for c in client.generate(
+            model="demo", prompt="hi", format=fmt, stream=True, options={"num_predict": 20}))
+        assert json.loads(text) == f"a{ch}b"
+        text = "".join(c.message.content for c in client.chat(
+            model="demo", messages=[{"role": "user", "content": "hi"}], format=fmt, stream=True,
+            options={"num_predict": 20}))
+        assert json.loads(text) == f"a{ch}b"
+    raw = httpx.post(gw.url + "/api/generate", timeout=30, json={
+        "model": "demo", "prompt": "hi", "format": {"const": "a\u2028b"},
+        "options": {"num_predict": 20}}).content
+    assert b"\xe2\x80\xa8" not in raw and b"\\u2028" in raw
+    assert all(json.loads(line) for line in raw.decode().splitlines())
+
+
 def test_raw_generate_has_no_context_and_rejects_system(client):
     r = client.generate(model="demo", prompt="abc", raw=True, options={"num_predict": 3})
     assert r.done and r.context is None
