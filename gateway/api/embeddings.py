@@ -38,7 +38,7 @@ from gateway.api.capabilities import require
 from gateway.api.common import make_ticket, note_upstream_error, optional, read_json, t0_ns
 from gateway.api.errors import ApiError, admission_error, json_body, resolve_v1_model
 from gateway.api.ollama import resolve_model
-from gateway.api.ollama_mapping import parse_keep_alive
+from gateway.api.ollama_mapping import map_options, parse_keep_alive
 from gateway.inventory import ModelEntry
 from gateway.upstream import UpstreamError, read_all
 from gateway.worker_calls import refuse_early, tokenize
@@ -104,7 +104,7 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
     size = len(text.encode()) if isinstance(text, str) else 0  # bytes (a long text: once)
     if isinstance(text, str) and size + 2 > limit:
         least = entry.facts.min_tokens(size)
-        if least + 1 > limit:  # too long whatever the tokenizer makes of it
+        if least > limit:  # too long whatever the tokenizer makes of it
             if not truncate:
                 raise ApiError(400, TOO_LONG)
             # its first `limit` tokens lie within this many bytes (characters are >= 1 byte);
@@ -112,11 +112,15 @@ async def _embed_one(request: web.Request, entry: ModelEntry, text, truncate: bo
             # /tokenize (they outlasted every try, and the worker tokenized on after the
             # client left; a fresh tester's find)
             text = text[:(limit + 16) * entry.facts.max_token_bytes]
-        toks = await tokenize(gw, entry.name, text)
-        if len(toks) + 1 > limit:  # +1: the worker may add BOS
+        # with the special tokens the worker's embedding route adds (BOS, a BERT's CLS and
+        # SEP; server handle_embeddings tokenizes with add_special), so that the count is the
+        # worker's: a reserved token for a BOS the demo model does not add cut a 512-token
+        # text to 511 (a fresh tester's find). Ids are sent as they are (none added again).
+        toks = await tokenize(gw, entry.name, text, add_special=True)
+        if len(toks) > limit:
             if not truncate:
                 raise ApiError(400, TOO_LONG)
-            payload = toks[:limit - 1]
+            payload = toks[:limit]
     mcfg = gw.model_config(entry.name)
     ticket = make_ticket(request, entry.name, mcfg.priority if mcfg else 0, gw.config.queue.timeout_s)
     ticket.follow_on = follow_on
@@ -215,7 +219,9 @@ async def _check_embedding(request: web.Request, body: dict, entry: ModelEntry) 
     """Checks shared by the three routes once ``entry`` (the model ``body`` names) is found:
     ``keep_alive`` parses and the model embeds. Raises ApiError."""
     parse_keep_alive(body.get("keep_alive"))
-    optional(body, "options", dict, "an object")  # read by nothing here, but not any value
+    # read by nothing here, but typed as on /api/chat (``option "temperature" must be of
+    # type float`` there, 200 here before; a fresh tester's find)
+    map_options(body.get("options"), num_predict_default=-1, num_predict_max=None)
     await require(request.app["gw"], entry, "embedding", body["model"])
 
 

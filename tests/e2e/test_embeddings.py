@@ -301,6 +301,44 @@ def test_truncate_is_checked_on_the_load_answer_too(gw):
     assert ok.status_code == 200 and ok.json()["embeddings"] == []
 
 
+def test_the_input_limit_counts_the_special_tokens_the_worker_adds(gw):
+    """A text of exactly the limit (256 here; "\\x01" is one token of the demo vocabulary) was
+    refused with ``truncate: false`` and cut to 255 otherwise, a token kept for a BOS the demo
+    model does not add (a fresh tester's find); with a BOS (``embedbos``) the limit holds
+    the BOS too, and a cut input keeps it."""
+    def embed(model, text, **kw):
+        return httpx.post(gw.url + "/api/embed", timeout=60,
+                          json={"model": model, "input": text, **kw})
+    r = embed("embed", "\x01" * 256, truncate=False)
+    assert r.status_code == 200 and r.json()["prompt_eval_count"] == 256, r.text
+    r = embed("embed", "\x01" * 257, truncate=False)
+    assert r.status_code == 400 and r.json() == {"error": "the input length exceeds the context length"}
+    assert embed("embed", "\x01" * 300).json()["prompt_eval_count"] == 256
+    r = embed("embedbos", "\x01" * 255, truncate=False)
+    assert r.status_code == 200 and r.json()["prompt_eval_count"] == 256, r.text
+    assert embed("embedbos", "\x01" * 256, truncate=False).status_code == 400
+    cut, whole = embed("embedbos", "\x01" * 300).json(), embed("embedbos", "\x01" * 255).json()
+    assert cut["prompt_eval_count"] == 256
+    # the cut input is the whole one's first 256 tokens, BOS first: the same vector
+    assert sum(a * b for a, b in zip(cut["embeddings"][0], whole["embeddings"][0])) > 0.999
+
+
+def test_embedding_options_are_typed_as_on_chat(gw):
+    """``/api/embed`` with ``options: {"temperature": "x"}`` answered 200 where ``/api/chat``
+    answers 400 (a fresh tester's find); the empty input's load answer checks them too."""
+    for path, inp in (("/api/embed", "alpha"), ("/api/embed", ""), ("/api/embeddings", "alpha")):
+        key = "input" if path == "/api/embed" else "prompt"
+        for opts, msg in (({"temperature": "x"}, 'option "temperature" must be of type float'),
+                          ({"num_ctx": 1.5e30}, 'option "num_ctx" is out of range for a 64-bit integer'),
+                          ("x", "options must be an object")):
+            r = httpx.post(gw.url + path, timeout=30, json={"model": "embed", key: inp,
+                                                            "options": opts})
+            assert r.status_code == 400 and r.json() == {"error": msg}, (path, opts, r.text)
+    ok = httpx.post(gw.url + "/api/embed", timeout=30, json={
+        "model": "embed", "input": "alpha", "options": {"temperature": 0.5, "bogus": 1}})
+    assert ok.status_code == 200 and len(ok.json()["embeddings"]) == 1, ok.text
+
+
 def test_a_reload_that_removes_the_model_lets_a_running_batch_end(gateway_factory):
     """A reload that removes a model while an ``/api/embed`` batch of it runs: the batch's later
     inputs are new tickets, which the retired model refused, so the batch was answered 404
