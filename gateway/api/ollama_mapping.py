@@ -118,7 +118,10 @@ def map_options(options: object, *, num_predict_default: int, num_predict_max: i
         if k in _PROCESS_LEVEL or k in _BOOL:
             continue
         out[k] = v
-    if num_predict is None or num_predict < 0:
+    # 0 is "no limit" as for a negative value: Ollama's runners stop only at
+    # ``numPredict > 0 && numPredicted >= numPredict`` (ollamarunner/llamarunner); llama-server
+    # made 1 token of n_predict 0 (a fresh tester's find)
+    if num_predict is None or num_predict <= 0:
         num_predict = -1
     if num_predict_max is not None and (num_predict < 0 or num_predict > num_predict_max):
         num_predict = num_predict_max

@@ -183,7 +183,8 @@ _BUDGET_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
 def _bound_max_tokens(gw, body: dict) -> None:
     """``max_tokens`` (or ``max_completion_tokens``) bounded by config.generation: the default
     when absent, the maximum when over it or unbounded. llama-server's own ``n_predict`` (which
-    it prefers to ``max_tokens``) is bounded the same way, so the cap cannot be bypassed.
+    it prefers to ``max_tokens``) is bounded the same way, so the cap cannot be bypassed. A
+    ``max_tokens`` / ``max_completion_tokens`` of 0 is no limit, as Ollama's ``/v1`` runs it.
     Raises ApiError(400) for a non-integer or out-of-range value."""
     gen = gw.config.generation
     cap = gen.num_predict_max
@@ -201,6 +202,8 @@ def _bound_max_tokens(gw, body: dict) -> None:
             continue
         openai_checks.check_int(k, v)
         budgeted = True
+        if v == 0 and k != "n_predict":  # Ollama's /v1 sends it as num_predict 0: no limit
+            v = body[k] = -1              # (llama-server made 1 token; n_predict is its own)
         if cap is not None and (v < 0 or v > cap):
             body[k] = cap
     if not budgeted:

@@ -46,6 +46,13 @@ def test_num_predict_default_and_cap():
     assert map_options({"num_predict": 5}, num_predict_default=-1, num_predict_max=100)["n_predict"] == 5
 
 
+def test_num_predict_0_is_no_limit_as_in_ollamas_runners():
+    """Ollama stops only at ``numPredict > 0 && numPredicted >= numPredict``; llama-server made
+    1 token of n_predict 0 (a fresh tester's find)."""
+    assert map_options({"num_predict": 0}, num_predict_default=64, num_predict_max=None)["n_predict"] == -1
+    assert map_options({"num_predict": 0}, num_predict_default=-1, num_predict_max=100)["n_predict"] == 100
+
+
 def test_unknown_options_ignored_and_reported():
     ignored = []
     out = map_options({"mirostat": 0, "tfs_z": 1.0, "num_ctx": 4096, "top_k": None},

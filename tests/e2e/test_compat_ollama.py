@@ -70,6 +70,21 @@ def test_line_separators_in_an_answer_do_not_break_the_ollama_client(gw, client)
     assert all(json.loads(line) for line in raw.decode().splitlines())
 
 
+def test_num_predict_0_is_no_limit_on_both_apis(gw, client):
+    """num_predict 0 (and ``max_tokens: 0`` on ``/v1``, which Ollama's ``/v1`` sends as it)
+    made the worker stop after 1 token; Ollama's runners take 0 as no limit. A grammar ends
+    the answer: the whole constant comes back."""
+    r = client.generate(model="demo", prompt="hi", format={"const": "abcdef"},
+                        options={"num_predict": 0})
+    assert (r.response, r.done_reason) == ('"abcdef"', "stop") and r.eval_count > 1
+    r = client.chat(model="demo", messages=[{"role": "user", "content": "hi"}],
+                    format={"const": "abcdef"}, options={"num_predict": 0})
+    assert r.message.content == '"abcdef"' and r.done_reason == "stop"
+    v = httpx.post(gw.url + "/v1/completions", timeout=60, json={
+        "model": "demo", "prompt": "hi", "max_tokens": 0, "grammar": 'root ::= "abcdef"'}).json()
+    assert v["choices"][0]["text"] == "abcdef" and v["choices"][0]["finish_reason"] == "stop", v
+
+
 def test_raw_generate_has_no_context_and_rejects_system(client):
     r = client.generate(model="demo", prompt="abc", raw=True, options={"num_predict": 3})
     assert r.done and r.context is None
