@@ -9,8 +9,10 @@ back into chat chunks. Two kinds of chat take this route:
   own grammar let through (seen on the pinned build for 10 of 24 seeds of ``json_object`` on
   the demo model: text that is not valid UTF-8 inside a JSON string, answers cut by
   ``max_tokens``). The completion route does not parse the answer: it is the text the grammar
-  allowed. Taken only where it gives what the chat route would: no ``logprobs``, no last
-  assistant message (a prefill, which the chat route's grammar continues), no
+  allowed. ``logprobs`` come along (the completion route's entries have the chat route's
+  shape; llama-server's streamed chat route under a format's grammar dropped the text of
+  answers with ``logprobs``: ``content: ""`` for 5 tokens, a fresh tester's find). Taken only
+  where it gives what the chat route would: no last assistant message (a prefill, which the chat route's grammar continues), no
   llama-server ``grammar`` / ``json_schema`` of the client's own, text-only messages (media
   need the chat route's projector handling), and a model whose chat template has no reasoning
   (``thinking`` capability), whose chat-route grammar lets it reason before the JSON. ``tools``
@@ -44,7 +46,7 @@ def completion_schema(body: dict) -> dict | None:
     rf = body.get("response_format")
     if format_schema(rf) is None:
         return None
-    if body.get("logprobs") or "grammar" in body or "json_schema" in body:
+    if "grammar" in body or "json_schema" in body:
         return None
     msgs = body.get("messages") or ()
     if msgs and msgs[-1].get("role") == "assistant":
@@ -86,10 +88,14 @@ def template_fields(body: dict) -> dict:
 def completion_body(body: dict, prompt: str, schema: dict | None) -> dict:
     """The ``/v1/completions`` body for a chat ``body``: its sampling and output fields, the
     rendered ``prompt`` and, unless ``schema`` is None, ``json_schema`` (llama-server turns an
-    empty schema into "any object", server-schema.cpp ``json_schema``). ``logprobs`` goes only
-    with a schema (the route is not taken for it then); an empty prompt generates nothing."""
-    drop = _CHAT_ONLY if schema is not None else _CHAT_ONLY + ("logprobs", "top_logprobs")
-    up = {k: v for k, v in body.items() if k not in drop}
+    empty schema into "any object", server-schema.cpp ``json_schema``). The chat's
+    ``logprobs: true`` is the completion's ``n_probs``: ``top_logprobs``, 20 when not given,
+    as llama-server's chat route sets it (server-common.cpp ``oaicompat_chat_params_parse``);
+    an empty prompt generates nothing."""
+    up = {k: v for k, v in body.items() if k not in _CHAT_ONLY + ("logprobs", "top_logprobs")}
+    if body.get("logprobs") is True:
+        top = body.get("top_logprobs")
+        up["n_probs"] = top if top is not None else 20
     up["prompt"] = prompt
     if schema is not None:
         up["json_schema"] = schema
@@ -100,7 +106,8 @@ class ChatChunks:
     """Turns the SSE payloads of llama-server's streamed ``/v1/completions`` answer into those
     its ``/v1/chat/completions`` sends (shapes from the pinned build, recorded in
     tests/api/openai_sse_recorded.json): each choice starts with a ``{"role": "assistant",
-    "content": null}`` delta; ``text`` becomes ``delta.content`` (``{}`` when empty);
+    "content": null}`` delta; ``text`` becomes ``delta.content`` (``{}`` when empty) and a
+    choice's ``logprobs`` (``{"content": [...]}``, the same entries on both routes) stay;
     ``object`` is ``chat.completion.chunk``; the ``usage`` (and ``timings``) that a completion
     puts on its finish chunk come after it in a chunk of their own with ``choices: []``.
     Payloads without choices (an error event) are left as they are.
@@ -128,12 +135,14 @@ class ChatChunks:
                     out.append(orjson.dumps({"choices": [{
                         "finish_reason": None, "index": i,
                         "delta": {"role": "assistant", "content": None}}], **head}))
-                text = c.get("text") or ""
-                if not text and c.get("finish_reason") is None:
+                text, probs = c.get("text") or "", c.get("logprobs")
+                if not text and c.get("finish_reason") is None and not probs:
                     continue  # nothing to say (llama-server's chat stream sends no such chunk)
-                out.append(orjson.dumps({"choices": [{
-                    "finish_reason": c.get("finish_reason"), "index": i,
-                    "delta": {"content": text} if text else {}}], **head}))
+                choice = {"finish_reason": c.get("finish_reason"), "index": i,
+                          "delta": {"content": text} if text else {}}
+                if probs:
+                    choice["logprobs"] = probs
+                out.append(orjson.dumps({"choices": [choice], **head}))
             if usage is not None:
                 tail = {"choices": [], **head, "usage": usage}
                 if timings is not None:

@@ -49,6 +49,8 @@ def test_folded_like_a_chat_answer_with_n_2():
     assert got["object"] == "chat.completion"
     assert [c["message"]["content"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
     assert [c["message"]["role"] for c in got["choices"]] == ["assistant", "assistant"]
+    # each choice's logprobs come along, as the completion answer has them
+    assert [c["logprobs"] for c in got["choices"]] == [c["logprobs"] for c in want["choices"]]
     assert got["usage"]["completion_tokens"] == sum(
         e["usage"]["completion_tokens"] for e in REC["completion_n2_logprobs"]["events"]
         if "usage" in e)
@@ -70,13 +72,16 @@ def test_which_chats_run_as_a_completion():
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert completion_schema({**base, "tools": tools}) == {}  # rendered into the prompt
     for other in ({"response_format": {"type": "text"}}, {"response_format": None},
-                  {"logprobs": True}, {"grammar": "root ::= \"a\""},
+                  {"grammar": "root ::= \"a\""},
                   {"messages": MSGS + [{"role": "assistant", "content": '{"k":'}]},
                   {"messages": [{"role": "user", "content": [
                       {"type": "image_url", "image_url": {"url": "data:,"}}]}]}):
         assert completion_schema({**base, **other}) is None, other
     assert completion_schema({**base, "tools": [], "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}]}]}) == {}
+    # logprobs come along (llama-server's streamed chat route dropped the text under the
+    # format's grammar; a fresh tester's find)
+    assert completion_schema({**base, "logprobs": True, "top_logprobs": 2}) == {}
 
 
 def test_completion_body_keeps_sampling_and_drops_chat_fields():
@@ -88,8 +93,12 @@ def test_completion_body_keeps_sampling_and_drops_chat_fields():
                   "stop": ["}"], "prompt": "<prompt>", "json_schema": {}}
     assert template_fields(body) == {"tools": [], "tool_choice": "auto",
                                      "chat_template_kwargs": {"x": 1}}
-    # n >= 2 with an empty prompt: no schema, and logprobs dropped (nothing is generated)
+    # the chat's logprobs are the completion's n_probs: top_logprobs, else 20 (llama-server's
+    # chat route); n >= 2 with an empty prompt: no schema
     empty = completion_body({**body, "response_format": None, "logprobs": True,
                              "top_logprobs": 2}, "", None)
     assert "json_schema" not in empty and "logprobs" not in empty and "top_logprobs" not in empty
+    assert empty["n_probs"] == 2
+    assert completion_body({**body, "logprobs": True}, "p", {})["n_probs"] == 20
+    assert "n_probs" not in completion_body({**body, "logprobs": False, "top_logprobs": None}, "p", {})
     assert empty["prompt"] == "" and empty["n"] == 2
