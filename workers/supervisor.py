@@ -25,7 +25,8 @@ checked at once. Crash loop: ``crash_loop_restarts``
 crashes (runs that ended, ``crashes``) within ``crash_loop_window_s``, or as many starts in a row that ended without the
 worker getting ready (a worker that hangs while it loads takes ``startup_timeout_s``, 180 s,
 per try: no two of its restarts fell within the 120 s window, so it never counted as failing
-and its model's requests each waited ``queue.timeout_s``; a fresh tester's find) → ``failed``
+and its model's requests each waited ``queue.timeout_s``; a fresh tester's find; a spawn that
+fails, as of a binary removed meanwhile, is such a start) → ``failed``
 for ``failed_retry_s``, then retried (``retry_at`` says when, in ``time.monotonic`` seconds).
 ``restarts`` counts the processes started after the first: the crash that makes the worker
 ``failed`` starts none, the try after ``failed_retry_s`` is one. When that try ends (crashes,
@@ -208,54 +209,58 @@ class WorkerSupervisor:
                 try:
                     await proc.start()
                 except OSError as e:
-                    self._set_state("backoff", f"spawn failed: {e}")
-                    await self._sleep(backoff)
-                    backoff = min(backoff * 2, self.backoff_max_s)
-                    continue
-                exit_task = asyncio.create_task(proc.wait())
-                reason = await self._await_ready(proc, http, exit_task)
-                stable = False  # this run stayed ready for STABLE_AFTER_S
-                if reason is None:
-                    self._failed_starts = 0
-                    self.ready_since = time.monotonic()
-                    self._set_state("ready")
-                    self._ready_evt.set()
-                    self.on_ready(self)
-                    wedged = await self._watch_ready(proc, http, exit_task)
-                    self._ready_evt.clear()
-                    up_s = time.monotonic() - self.ready_since
-                    self.ready_since = None
-                    if self._stopping:
-                        if not exit_task.done():
-                            await exit_task
-                        break
-                    if wedged:
-                        reason = f"wedged: {wedged}"
-                        self.wedges += 1
-                        self._set_state("wedged", reason)
-                        self.log.error("worker.wedged", reason=wedged, pid=proc.pid)
-                        self.on_down(self, reason)
-                        await proc.stop(self.stop_grace_s)
-                        await exit_task
-                    else:
-                        reason = f"exited with status {exit_task.result()}"
-                        self.log.error("worker.crashed", reason=reason, pid=proc.pid, up_s=round(up_s, 3))
-                        self.on_down(self, reason)
-                    if up_s >= self.STABLE_AFTER_S:
-                        backoff = self.backoff_initial_s
-                        stable = True
-                else:
-                    if not exit_task.done():
-                        await proc.stop(self.stop_grace_s)
-                    await exit_task
-                    if self._stopping:
-                        break
+                    # a start that did not get ready, as one that exits at once: it counts
+                    # toward the crash loop (a missing binary kept the worker in backoff
+                    # forever, and its requests waited for queue.timeout_s; a fresh tester's find)
+                    reason, stable, ran = f"spawn failed: {e}", False, False
                     self._failed_starts += 1
-                self.crashes += 1
-                self.runs_ended += 1
+                    self.log.error("worker.spawn_failed", error=str(e))
+                else:
+                    ran = True
+                    exit_task = asyncio.create_task(proc.wait())
+                    reason = await self._await_ready(proc, http, exit_task)
+                    stable = False  # this run stayed ready for STABLE_AFTER_S
+                    if reason is None:
+                        self._failed_starts = 0
+                        self.ready_since = time.monotonic()
+                        self._set_state("ready")
+                        self._ready_evt.set()
+                        self.on_ready(self)
+                        wedged = await self._watch_ready(proc, http, exit_task)
+                        self._ready_evt.clear()
+                        up_s = time.monotonic() - self.ready_since
+                        self.ready_since = None
+                        if self._stopping:
+                            if not exit_task.done():
+                                await exit_task
+                            break
+                        if wedged:
+                            reason = f"wedged: {wedged}"
+                            self.wedges += 1
+                            self._set_state("wedged", reason)
+                            self.log.error("worker.wedged", reason=wedged, pid=proc.pid)
+                            self.on_down(self, reason)
+                            await proc.stop(self.stop_grace_s)
+                            await exit_task
+                        else:
+                            reason = f"exited with status {exit_task.result()}"
+                            self.log.error("worker.crashed", reason=reason, pid=proc.pid, up_s=round(up_s, 3))
+                            self.on_down(self, reason)
+                        if up_s >= self.STABLE_AFTER_S:
+                            backoff = self.backoff_initial_s
+                            stable = True
+                    else:
+                        if not exit_task.done():
+                            await proc.stop(self.stop_grace_s)
+                        await exit_task
+                        if self._stopping:
+                            break
+                        self._failed_starts += 1
+                    self.crashes += 1
+                    self.runs_ended += 1
                 if self._stopping:  # stopped meanwhile (an admin restart): no restart follows
                     break
-                in_window = self._crash_loop()
+                in_window = self._crash_loop() if ran else False  # a failed spawn is no crash
                 # the try after a crash loop failed too: failed again at once, not after a
                 # whole new loop of backoffs at their maximum (a fresh tester waited 65 s for
                 # a 503 with 3 starts of 3 s; the defaults give 5 × 180 s)

@@ -152,6 +152,40 @@ def test_a_worker_that_hangs_at_every_start_is_failed_and_its_requests_refused(
     assert ok.status_code == 200, ok.text
 
 
+def test_a_binary_that_cannot_be_started_any_more_ends_in_a_crash_loop(tmp_path, gateway_factory):
+    """The llama-server binary removed while the gateway runs (an upgrade): each restart's
+    spawn failed (ENOENT), and the worker stayed in ``backoff`` forever without counting a
+    start, so requests waited for ``queue.timeout_s`` (a fresh tester's find). Failed spawns
+    are starts that did not get ready: ``crash_loop_restarts`` of them mark it failed, and
+    requests get the crash-loop 503 at once. The binary is a wrapper script that execs the
+    real llama-server."""
+    from workers.provision import ensure_llama_server
+    wrapper = tmp_path / "llama-server-wrapper"
+    wrapper.write_text(f'#!/bin/sh\nexec "{ensure_llama_server()}" "$@"\n')
+    wrapper.chmod(0o755)
+    cfg = base_config(free_port(), llama_server={
+        "binary": str(wrapper), "threads": 1, "restart_backoff_initial_s": 0.1,
+        "restart_backoff_max_s": 0.2, "crash_loop_restarts": 3, "failed_retry_s": 60},
+        queue={"timeout_s": 30})
+    cfg["models"][0].update(cpu=1, slots=1, context=512)
+    gw = gateway_factory(cfg)
+    victim = gw.workers()[0]
+    wrapper.unlink()
+    os.kill(victim["pid"], signal.SIGKILL)
+    w = wait_for(lambda: next((x for x in gw.workers() if x["state"] == "failed"), None), 20,
+                 "failed state")
+    assert w["detail"].startswith("crash loop: 3 starts in a row did not get ready (last: "
+                                  "spawn failed: [Errno 2]"), w["detail"]
+    assert w["crash_loops"] == 1 and w["restarts"] == 3, w  # the killed run and 2 failed spawns
+    t0 = time.monotonic()
+    r = httpx.post(gw.url + "/api/generate", timeout=40, json={
+        "model": "demo", "prompt": "x", "raw": True, "stream": False})
+    assert r.status_code == 503 and "every worker of it failed" in r.json()["error"], r.text
+    assert time.monotonic() - t0 < 2 and r.headers["Retry-After"]
+    events = [json.loads(ln) for ln in gw.log_path.read_text().splitlines() if ln.startswith("{")]
+    assert sum(e["event"] == "worker.spawn_failed" for e in events) == 3
+
+
 @pytest.mark.parametrize("path,stream", [("/api/generate", False), ("/api/chat", True),
                                          ("/v1/chat/completions", True)])
 def test_a_worker_killed_while_it_computes_a_prompt_is_retried_elsewhere(tmp_path,
