@@ -37,7 +37,7 @@ from gateway.reload import Reloader
 from gateway.scheduling import Dispatcher
 from gateway.upstream import Upstream
 from gateway.worker_stats import WorkerStatsView
-from workers.demo_model import ensure_demo_model
+from workers.demo_model import demo_model_path, ensure_demo_model
 from workers.gpu import detect_gpus
 from workers.process import reap_stale_workers
 from workers.provision import ProvisionError, cache_root, ensure_llama_server
@@ -149,7 +149,13 @@ class Gateway:
         entries = []
         self.files_changed = set()
         for i, m in enumerate(cfg.models):
-            p = await asyncio.to_thread(ensure_demo_model) if m.is_builtin else Path(m.path).expanduser()
+            try:
+                p = await asyncio.to_thread(ensure_demo_model) if m.is_builtin \
+                    else Path(m.path).expanduser()
+            except OSError as e:  # a traceback and exit 1 before (a fresh tester's find)
+                raise ConfigError(f"models[{i}].path: cannot write the built-in demo model to "
+                                  f"{demo_model_path()} ($LLAMA_GATEWAY_CACHE, default "
+                                  f"~/.cache/llama-gateway): {e.strerror or e}", cfg.source) from None
             paths[m.full_name] = p
             e = old.get(m.full_name)
             try:
@@ -285,6 +291,10 @@ class Gateway:
                 "finding or building llama-server")
         except ProvisionError as e:
             raise ConfigError(f"llama_server.binary: {e}", cfg.source) from None
+        except OSError as e:  # the cache the build goes to (a traceback before)
+            raise ConfigError(f"llama_server.binary: cannot use the cache {cache_root()} "
+                              f"($LLAMA_GATEWAY_CACHE, default ~/.cache/llama-gateway): "
+                              f"{e.strerror or e}", cfg.source) from None
         models = await self.load_models(cfg)
         self.inventory = Inventory(models[1])
         state_dir = cache_root() / "run" / f"{host.strip('[]')}_{port}"

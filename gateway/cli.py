@@ -199,14 +199,29 @@ def _fleet_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _cannot_create(folder) -> str:
+    """Why ``serve`` could not make the directory ``folder`` or write in it (its nearest
+    existing ancestor is not a writable directory), or "" when it could."""
+    p = folder
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a directory"
+    return "" if os.access(p, os.W_OK | os.X_OK) else f"{p} is not writable"
+
+
 def _check_files(cfg) -> tuple[list[str], dict[str, int]]:
     """What ``serve`` would refuse or fail on: an unusable llama-server binary (missing, not executable, or
     one whose ``--version`` fails: ``workers.provision.check_runs``; no build is started here)
-    or a model path that is not a readable GGUF. Returns key-path error lines, and each model's
+    or a model path that is not a readable GGUF; a ``listen`` host that does not resolve or is
+    not this machine's (bound at port 0, so a running gateway's port is no error); a cache in
+    which the workers' run directory or the built-in demo model could not be written (as
+    ``serve`` refuses them, a fresh tester's find). Returns key-path error lines, and each model's
     trained context (full name -> tokens, 0 unknown) from its GGUF (the built-in demo model's
     file when it was written already, else its default)."""
     from pathlib import Path
 
+    from gateway.config import ConfigError
     from gateway.inventory import GGUFFacts
     from workers.demo_model import N_CTX_TRAIN, demo_model_path
     from workers.provision import ProvisionError, check_runs, find_llama_server
@@ -222,9 +237,26 @@ def _check_files(cfg) -> tuple[list[str], dict[str, int]]:
             check_runs(found)  # it exists and is executable; does it start at all?
     except ProvisionError as e:
         problems.append(f"llama_server.binary: {e}")
+    from gateway.listen import address, bind_listen
+    from workers.provision import cache_root
+    try:  # port 0: the address resolves and is this machine's (the port may be a running
+        for sock in bind_listen(cfg.host.strip("[]"), 0, cfg.source):  # gateway's)
+            sock.close()
+    except ConfigError as e:
+        shown = (address(cfg.host, 0), address(cfg.host, cfg.port))
+        problems.extend(err.replace(*shown) for err in e.errors)
+    run_dir = cache_root() / "run"
+    why = _cannot_create(run_dir)
+    if why:
+        problems.append(f"cannot create the workers' run directory under {run_dir} "
+                        f"($LLAMA_GATEWAY_CACHE, default ~/.cache/llama-gateway): {why}")
     for i, m in enumerate(cfg.models):
         path = demo_model_path() if m.is_builtin else Path(m.path).expanduser()
         if m.is_builtin and not path.exists():
+            why = _cannot_create(path.parent)
+            if why:
+                problems.append(f"models[{i}].path: cannot write the built-in demo model to "
+                                f"{path}: {why}")
             trained[m.full_name] = N_CTX_TRAIN
             continue
         try:

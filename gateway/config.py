@@ -619,6 +619,14 @@ class LlamaServerConfig(_Section):
     (used once, never reused; ``gateway.worker_http.SpareConnections``): saves the connect,
     about 0.2 ms of TTFT. False: connect when the request is sent. Read at start."""
 
+    @model_validator(mode="after")
+    def _c_backoff(self) -> "LlamaServerConfig":
+        if self.restart_backoff_initial_s > self.restart_backoff_max_s:  # passed without a word
+            _fail(f"{self.restart_backoff_initial_s:g} s is more than restart_backoff_max_s "
+                  f"({self.restart_backoff_max_s:g} s), the most a restart delay grows to",
+                  "restart_backoff_initial_s")
+        return self
+
 
 class QueueConfig(_Section):
     """The gateway's wait queue in front of busy workers (``queue:``)."""

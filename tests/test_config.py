@@ -523,3 +523,11 @@ def test_polling_intervals_have_a_floor():
             f"{section}.{key}: expected a number of seconds of at least 0.01 (10 ms), got 0.001"]
         data[section][key] = 0.01
         assert getattr(getattr(parse_config(data), section), key) == 0.01
+
+
+def test_restart_backoff_may_not_start_above_its_maximum():
+    """An initial restart delay above the maximum passed check-config (a fresh tester's find)."""
+    assert errors_of({**base(), "llama_server": {"restart_backoff_initial_s": 60}}) == [
+        "llama_server.restart_backoff_initial_s: 60 s is more than restart_backoff_max_s "
+        "(30 s), the most a restart delay grows to"]
+    assert parse_config({**base(), "llama_server": {"restart_backoff_initial_s": 30}})

@@ -65,3 +65,52 @@ def _events(gw, name: str) -> list[dict]:
     import json
     return [e for line in gw.log_path.read_text().splitlines() if line.startswith("{")
             and (e := json.loads(line)).get("event") == name]
+
+
+def _cli(verb: str, cfg_path, env_extra: dict | None = None, timeout: int = 60):
+    import os
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "gateway", verb, "-c", str(cfg_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_check_config_refuses_what_serve_refuses_about_the_address_and_the_cache(tmp_path):
+    """check-config passed a ``listen`` host that does not resolve or is not this machine's,
+    and a cache that is a file, all of which ``serve`` refuses with exit 2 (the cache one with
+    a traceback and exit 1 for the built-in demo model, restarted by systemd every 5 s: a fresh
+    tester's finds)."""
+    import yaml
+    from workers.provision import ensure_llama_server
+    binary = str(ensure_llama_server())  # given, so that nothing is looked up in the cache
+    # (an unresolvable host goes the same way; not tried here, where DNS may be slow)
+    for listen, says in (("192.0.2.1:18537", "listen: cannot listen on 192.0.2.1:18537"),):
+        cfg = base_config(free_port())
+        cfg.update(listen=listen, llama_server={"binary": binary})
+        path = tmp_path / "addr.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        for verb in ("check-config", "serve"):
+            r = _cli(verb, path)
+            assert r.returncode == 2 and f"{path}: {says}" in r.stderr, (verb, r.stderr)
+    cache = tmp_path / "cache-is-a-file"
+    cache.write_text("")
+    cfg = base_config(free_port())
+    cfg["llama_server"] = {"binary": binary}
+    path = tmp_path / "cache.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {"LLAMA_GATEWAY_CACHE": str(cache)}
+    r = _cli("check-config", path, env)
+    assert r.returncode == 2, r
+    assert (f"{path}: models[0].path: cannot write the built-in demo model to "
+            f"{cache}/models/demo.gguf: {cache} is not a directory") in r.stderr, r.stderr
+    assert f"{path}: cannot create the workers' run directory under {cache}/run" in r.stderr
+    r = _cli("serve", path, env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert (f"{path}: models[0].path: cannot write the built-in demo model to "
+            f"{cache}/models/demo.gguf ($LLAMA_GATEWAY_CACHE, default ~/.cache/llama-gateway): "
+            f"Not a directory") in r.stderr, r.stderr
+    # without a binary the first use of the cache is llama-server's: the same, worded for it
+    del cfg["llama_server"]
+    path.write_text(yaml.safe_dump(cfg))
+    r = _cli("serve", path, env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{path}: llama_server.binary: cannot use the cache {cache} " in r.stderr, r.stderr
