@@ -139,12 +139,22 @@ def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
                 stack.extend((x, f"{path}.{k}.{name}") for name, x in v.items())
 
 
+#: What a JSON string may not hold raw (RFC 8259 §7: the quote, the backslash, the controls;
+#: and DEL, as llama.cpp's own JSON grammar leaves it out), as regex class text. The worker's
+#: converter writes a pattern's characters between the quotes as they are
+#: (json-schema-to-grammar.cpp ``_visit_pattern``), so a class or a dot that allowed them gave
+#: invalid JSON: ``\s`` as ``[ \t\n\r]`` put a raw TAB in 7 of 8 answers, and the converter's
+#: own ``.`` (``[^\x0A\x0D]``) lets a quote through (a fresh tester's find).
+_JSON_UNSAFE = '"\\\\\\x00-\\x1F\\x7F'
+_SAFE_DOT = "[^" + _JSON_UNSAFE + "]"
+
 #: Regex escapes the pinned json-schema-to-grammar does not take (common/json-schema-to-grammar.cpp
 #: ``_visit_pattern``: "unsupported escape", then "accepting any string" with only a line in the
-#: worker's log), as the classes they stand for; inside a class, as its ranges.
-_ESCAPES = {"d": "[0-9]", "D": "[^0-9]", "w": "[a-zA-Z0-9_]", "W": "[^a-zA-Z0-9_]",
-            "s": "[ \\t\\n\\r]", "S": "[^ \\t\\n\\r]"}
-_CLASS_ESCAPES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r"}
+#: worker's log), as the classes they stand for, less :data:`_JSON_UNSAFE` (``\s`` is the
+#: space only); inside a class, as its ranges.
+_ESCAPES = {"d": "[0-9]", "D": "[^0-9" + _JSON_UNSAFE + "]", "w": "[a-zA-Z0-9_]",
+            "W": "[^a-zA-Z0-9_" + _JSON_UNSAFE + "]", "s": "[ ]", "S": "[^ " + _JSON_UNSAFE + "]"}
+_CLASS_ESCAPES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " "}
 
 
 def _unterminated_class(pattern: str) -> bool:
@@ -173,8 +183,11 @@ def enforceable_pattern(pattern: str) -> str:
     with ``\d``, ``\w`` or ``\s``, or one without both ``^`` and ``$``, as "any string" and
     said so only in the worker's log, so ``^\d{4}$`` constrained nothing (a fresh tester's
     find; Ollama runs the same converter). Here ``\d \D \w \W \s \S`` become classes
-    (``[0-9]`` …; inside a class its ranges; ``\s`` without form feed and vertical tab), and
-    a side without its anchor gets ``.*``: ``[0-9]{4}`` → ``^.*([0-9]{4}).*$``. Other
+    (``[0-9]`` …; inside a class its ranges), and a side without its anchor gets "anything":
+    ``[0-9]{4}`` → ``^.*([0-9]{4}).*$`` in spirit. What the grammar writes raw between a JSON
+    string's quotes may not be a quote, a backslash or a control (:data:`_JSON_UNSAFE`): so
+    ``\s`` is the space, and the dot, the added "anything", ``\D \W \S`` and negated classes
+    leave those out. Other
     constructs the converter refuses (``\b``, look-arounds, back-references) are left as
     they are, and the worker still takes the pattern as any string."""
     out, i, n = [], 0, len(pattern)
@@ -196,10 +209,12 @@ def enforceable_pattern(pattern: str) -> str:
                 else:
                     inner.append(pattern[j])
                     j += 1
-            out.append("".join(inner))
+            cls = "".join(inner)
+            # a negated class, as the dot: not what a JSON string cannot hold raw
+            out.append(cls[:-1] + _JSON_UNSAFE + "]" if cls.startswith("[^") else cls)
             i = end
         else:
-            out.append(c)
+            out.append(_SAFE_DOT if c == "." else c)
             i += 1
     body = "".join(out)
     start = body.startswith("^")
@@ -208,9 +223,10 @@ def enforceable_pattern(pattern: str) -> str:
     if start and end and len(body) >= 2:
         return body
     core = body[1 if start else 0:len(body) - 1 if end else len(body)]
+    anything = _SAFE_DOT + "*"
     if not core:
-        return "^.*$"
-    return "^" + ("" if start else ".*") + "(" + core + ")" + ("" if end else ".*") + "$"
+        return "^" + anything + "$"
+    return "^" + ("" if start else anything) + "(" + core + ")" + ("" if end else anything) + "$"
 
 
 def _pointer(doc, ref: str):

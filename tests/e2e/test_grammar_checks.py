@@ -204,6 +204,22 @@ def test_patterns_with_class_escapes_or_no_anchors_are_enforced(gateway_factory)
         assert r.status_code == 200, r.text
         value = json.loads(r.json()["choices"][0]["message"]["content"])["v"]
         assert re.fullmatch(full, value), (pattern, value)
+    # what the grammar writes between the quotes is valid JSON: "\s" as [ \t\n\r] put a raw
+    # TAB in 7 of 8 answers, and dots and negated classes let quotes and controls through (a
+    # fresh tester's find)
+    for pattern, full in ((r"^\s?x$", r"\s?x"), ("^.{6}$", None), ("^[^a]{6}$", None),
+                          (r"^\S{6}$", None)):
+        for seed in range(8):
+            r = httpx.post(gw.url + "/api/generate", timeout=60, json={
+                "model": "demo", "prompt": "hi", "stream": False,
+                "options": {"num_predict": 60, "seed": seed},
+                "format": {"type": "object", "properties": {"v": {"type": "string",
+                                                                  "pattern": pattern}},
+                           "required": ["v"]}})
+            assert r.status_code == 200 and r.json()["done_reason"] == "stop", r.text
+            value = json.loads(r.json()["response"])["v"]  # valid JSON, every seed
+            assert full is None or re.fullmatch(full, value), (pattern, seed, value)
+            assert not any(ch in value for ch in '"\\\t\n\r'), (pattern, seed, value)
     # a pattern without "$" is a search from its start: "^xyz" makes every answer start with
     # "xyz" and go on freely (before: any string, the demo model's random text)
     for seed in (1, 2, 3):
