@@ -50,7 +50,7 @@ from gateway.inventory import GGUFFacts, ModelEntry, now_utc_z
 from gateway.logs import get_logger
 from gateway.metrics import note_first_byte, note_lease, worker_state
 from gateway.thinking_split import ThinkingSplit, think_tags
-from gateway.upstream import UpstreamError, iter_sse_batches
+from gateway.upstream import UpstreamError, iter_sse_batches, read_all
 from gateway.worker_calls import apply_template, tokenize
 
 log = get_logger("gateway.api.ollama")
@@ -327,7 +327,9 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
                     await out.write(ndjson_safe(b"\n".join(lines)))  # newline-delimited
                     lines.clear()
 
-                async for batch in iter_sse_batches(resp):
+                answers = iter_sse_batches(resp) if upstream_body.get("stream", True) \
+                    else _whole_answer(resp)
+                async for batch in answers:
                     note_first_byte(request)
                     st.created_at = now_utc_z()  # one timestamp per network read, not per token
                     for data in batch:
@@ -383,6 +385,13 @@ async def _relay(request: web.Request, entry: ModelEntry, path: str, upstream_bo
         out = await prepare_ndjson(request)
     await out.write_eof(ndjson_safe(orjson.dumps(obj)) + b"\n")  # last line and end of stream in one write
     return out
+
+
+async def _whole_answer(resp):
+    """A non-streamed worker answer as one batch of one payload, as ``iter_sse_batches``
+    yields them: ``StreamState.fold_chat`` reads a ``message`` as a ``delta``. Raises
+    UpstreamError when the connection breaks (``upstream.read_all``)."""
+    yield [await read_all(resp)]
 
 
 def _unecho(content: str, echoed: str) -> tuple[str, str]:
@@ -491,6 +500,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
             up["top_logprobs"] = max(top, 1)  # as Ollama's runner: llama-server needs >= 1
         if tools:
             up["tools"] = tools
+            if lp or top:
+                # llama-server refuses to stream this one ("logprobs is not supported with
+                # tools + stream", a 400 for every such chat, streamed or not; a fresh
+                # tester's find): asked non-streamed, its answer relayed as one piece
+                # (openai_fold.needs_non_streamed_upstream, as on /v1)
+                up["stream"] = False
+                del up["stream_options"]
         if msgs[-1]["role"] == "assistant" and isinstance(msgs[-1]["content"], str):
             # llama-server continues a last assistant message (prefill) and repeats it at the
             # start of its answer; Ollama answers with the continuation only

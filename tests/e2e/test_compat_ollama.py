@@ -236,6 +236,23 @@ def test_tools_accepted_and_tool_history_round_trips(client):
     assert r.prompt_eval_count > plain.prompt_eval_count + 20
 
 
+def test_chat_with_tools_and_logprobs_answers_streamed_or_not(client):
+    """llama-server refuses to stream a chat with tools and logprobs, and the gateway asks every
+    chat streamed: each such /api/chat was 400 "logprobs is not supported with tools + stream",
+    ``stream: false`` too (a fresh tester's find). It is asked non-streamed and relayed as one
+    piece; the text, its logprobs and the counts are the same either way."""
+    kw = dict(model="tooly", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS,
+              logprobs=True, top_logprobs=2, options={"num_predict": 6, "seed": 7})
+    r = client.chat(**kw)
+    assert r.done and r.eval_count == 6 and r.done_reason == "length", r
+    assert r.logprobs and all(len(e.top_logprobs) == 2 for e in r.logprobs), r.logprobs
+    assert "".join(e.token for e in r.logprobs) == r.message.content
+    parts = list(client.chat(**kw, stream=True))
+    assert parts[-1].done and parts[-1].eval_count == 6
+    assert "".join(p.message.content for p in parts) == r.message.content
+    assert [e.token for p in parts for e in (p.logprobs or [])] == [e.token for e in r.logprobs]
+
+
 def test_chat_with_format_and_tools_is_never_a_500(client):
     """``format`` and ``tools`` together went to llama-server's chat route, which answered 500
     "... peg-native format" for 4 of 8 seeds (streamed: an error line after the tokens; a fresh
