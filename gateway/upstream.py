@@ -599,9 +599,30 @@ PROGRESS_MIN_PROMPT_TOKENS = 64
 
 #: The key of llama-server's prompt-progress events (``return_progress``; server-task.cpp
 #: ``result_prompt_progress``: ``{"total","cache","processed","time_ms"}``), which carry no
-#: content. Inside a JSON string (generated text) the quotes are escaped, so this exact byte
-#: sequence appears only as a key.
+#: content, except on the chat route, whose first one carries the echo of a continued last
+#: assistant message (:func:`_progress_answer`). Inside a JSON string (generated text) the
+#: quotes are escaped, so this exact byte sequence appears only as a key.
 PROGRESS_KEY = b'"prompt_progress":'
+
+
+def _progress_answer(data: bytes) -> bytes | None:
+    """A prompt-progress event ``data`` as the answer event it also is, or None when it is only
+    progress. llama-server's chat route puts the echo of a continued (prefilled) last assistant
+    message in its first progress event's ``delta.content``; dropped with the event, a long
+    prompt's answer lacked the echo a short one's had (a fresh tester's find, with a role
+    chunk sent twice). Kept: its choices' content, without the progress and the role."""
+    if b'"content":"' not in data and b'"tool_calls"' not in data and b'"reasoning_content":"' not in data:
+        return None
+    ev = orjson.loads(data)
+    choices = []
+    for c in ev.get("choices") or ():
+        delta = {k: v for k, v in (c.get("delta") or {}).items() if k != "role" and v}
+        if delta:
+            choices.append({**c, "delta": delta})
+    if not choices:
+        return None
+    ev.pop("prompt_progress", None)
+    return orjson.dumps({**ev, "choices": choices})
 
 
 async def iter_sse_batches(resp: WorkerResponse) -> AsyncIterator[list[bytes]]:
@@ -635,7 +656,9 @@ async def iter_sse_batches(resp: WorkerResponse) -> AsyncIterator[list[bytes]]:
                         yield batch
                     return
                 if progress and PROGRESS_KEY in data:
-                    continue
+                    data = _progress_answer(data)
+                    if data is None:
+                        continue
                 batch.append(data)
             if batch:
                 if progress:

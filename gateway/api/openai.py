@@ -309,6 +309,10 @@ async def _relay_stream(request: web.Request, resp, started: list,
             batch = convert(batch)
         parts: list[bytes] = []
         for data in batch:
+            if chat and b'"role"' in data and b'"error"' not in data:
+                data = _without_repeated_roles(data, roles_due)
+                if data is None:
+                    continue
             if roles_due and data != b"null" and b'"error"' not in data:
                 ev = orjson.loads(data)
                 lacking = []
@@ -343,6 +347,33 @@ async def _relay_stream(request: web.Request, resp, started: list,
     if include_usage and head is not None:
         last = _sse(head | {"choices": [], "usage": usage.total()})
     await write(last + b"data: [DONE]\n\n")
+
+
+def _without_repeated_roles(data: bytes, roles_due: set[int]) -> bytes | None:
+    """Chat chunk ``data`` without a ``role`` delta of a choice whose role was sent already (not
+    in ``roles_due``), or None when nothing else is left of it. With the prompt-progress events
+    the gateway asks for, llama-server sends a choice's role chunk twice, once ahead and once
+    with its first token (server-task.cpp ``first || is_progress``), and the client got both
+    (a fresh tester's find)."""
+    ev = orjson.loads(data)
+    if not isinstance(ev, dict):
+        return data
+    kept, changed = [], False
+    for c in ev.get("choices") or ():
+        delta = c.get("delta") or {}
+        if "role" in delta and c.get("index", 0) not in roles_due:
+            changed = True
+            delta = {k: v for k, v in delta.items() if k != "role"}
+            if not any(v is not None for v in delta.values()) and c.get("finish_reason") is None \
+                    and not c.get("logprobs"):
+                continue
+            c = {**c, "delta": delta}
+        kept.append(c)
+    if not changed:
+        return data
+    if not kept and not ev.get("usage"):
+        return None
+    return orjson.dumps({**ev, "choices": kept})
 
 
 def _role_chunk(ev: dict, indices: list[int]) -> dict:

@@ -458,6 +458,27 @@ def test_structured_output_with_logprobs_keeps_the_answer(client):
             [e.token for e in entries], seed
 
 
+def test_a_continued_message_streams_one_role_chunk_and_its_echo_whatever_the_prompt_size(gw):
+    """With the prompt-progress events the gateway asks for on prompts of 64 tokens or more,
+    llama-server sent the role chunk twice and put the echo of a continued last assistant
+    message in a progress event, which the gateway dropped: a long prompt's stream had two
+    role chunks and no echo, a short one's one and the echo (a fresh tester's find)."""
+    prefill = "The weather is"
+    streams = []
+    for user in ("w?", "tell me about the weather in paris please " * 12):
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=60, json={
+                "model": "tooly", "max_tokens": 2, "stream": True, "temperature": 0,
+                "messages": [{"role": "user", "content": user},
+                             {"role": "assistant", "content": prefill}]}) as r:
+            events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        deltas = [c["delta"] for e in events for c in e["choices"]]
+        assert sum("role" in d for d in deltas) == 1 and "role" in deltas[0], deltas
+        text = "".join(d.get("content") or "" for d in deltas)
+        assert text.startswith(prefill), (user[:10], text)
+        streams.append(text)
+    assert len(streams) == 2
+
+
 def test_models_list_and_retrieve(client):
     ids = sorted(m.id for m in client.models.list().data)
     assert ids == ["demo:latest", "embed:latest", "tooly:latest"]
