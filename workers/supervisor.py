@@ -212,9 +212,12 @@ class WorkerSupervisor:
                     # a start that did not get ready, as one that exits at once: it counts
                     # toward the crash loop (a missing binary kept the worker in backoff
                     # forever, and its requests waited for queue.timeout_s; a fresh tester's find)
-                    reason, stable, ran = f"spawn failed: {e}", False, False
+                    binary = str(self.spec.binary)
+                    reason = f"spawn failed: {binary}: {e.strerror or e}"
+                    stable, ran = False, False
                     self._failed_starts += 1
-                    self.log.error("worker.spawn_failed", error=str(e))
+                    self.crashes += 1  # a failed start, as one that exits at once
+                    self.log.error("worker.spawn_failed", error=str(e), binary=binary)
                 else:
                     ran = True
                     exit_task = asyncio.create_task(proc.wait())

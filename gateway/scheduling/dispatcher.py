@@ -247,7 +247,7 @@ class Dispatcher:
                  if w.model == ticket.model and w.ready and not w.draining]
         ticket.held_until = None
         ticket.waited_s += max(0.0, now - ticket.enqueued_at)
-        ticket.granted = True
+        ticket.granted = ticket.admitted = True
         worker = self.scorer.pick(candidates, ticket, now, fleet)
         assert worker.free >= ticket.slots, "scorer picked a worker without enough free slots"
         return SlotLease(worker, ticket, now, self._on_release)
@@ -333,7 +333,8 @@ class Dispatcher:
     def submit(self, ticket: Ticket) -> SlotLease | None:
         """Admit ``ticket``: a lease at once if a slot is free and nobody for that model waits
         ahead of it, else queue it (returns None). Raises ``QueueFull`` when the queue is at
-        ``max_pending`` (not for a ``follow_on`` ticket) and ``refusal``'s ``Unavailable``;
+        ``max_pending`` (not for a ``follow_on`` ticket or one admitted before, a retry) and
+        ``refusal``'s ``Unavailable``;
         ``check_fits``'s ``TooManySlots`` and ``TooLarge``, after ``cut_slots``.
         """
         self.cut_slots(ticket)
@@ -346,7 +347,7 @@ class Dispatcher:
             if cands and (not self._holds(ticket, cands, now)
                           or self._queue_refusal(ticket.model, ticket.request_id) is not None):
                 return self._grant(ticket, cands, now)
-        refused = (self.refusal(ticket.model) if ticket.follow_on
+        refused = (self.refusal(ticket.model) if ticket.follow_on or ticket.admitted
                    else self._queue_refusal(ticket.model, ticket.request_id))
         if refused is not None:
             raise refused

@@ -32,6 +32,11 @@ class Ticket:
             request's earlier attempts included (the dispatcher adds each attempt's wait when
             it grants one; ``queue_wait_s``).
         granted: whether its last admission got a slot (set by the dispatcher).
+        admitted: whether any admission of it got a slot: a retry after its worker failed
+            (``Upstream.request``'s next attempt, or answer-again) is admitted again past
+            ``max_pending``, as a ``follow_on`` is (it counts there): an accepted request was
+            answered 503 "maximum pending requests exceeded" when its worker crashed (a fresh
+            tester's find).
         queue_timeout_s: longest wait in the queue, seconds; None = no limit.
         seq: admission order, for FIFO within a priority class.
         avoid: ids of workers this request already failed on before any response byte; a
@@ -70,6 +75,7 @@ class Ticket:
     held_until: float | None = None
     waited_s: float = 0.0
     granted: bool = False
+    admitted: bool = False
 
     def queue_wait_s(self, now: float) -> float:
         """Seconds the request spent queued over all its attempts, up to ``now`` (clock

@@ -175,8 +175,9 @@ def test_a_binary_that_cannot_be_started_any_more_ends_in_a_crash_loop(tmp_path,
     w = wait_for(lambda: next((x for x in gw.workers() if x["state"] == "failed"), None), 20,
                  "failed state")
     assert w["detail"].startswith("crash loop: 3 starts in a row did not get ready (last: "
-                                  "spawn failed: [Errno 2]"), w["detail"]
+                                  f"spawn failed: {wrapper}: No such file or directory)"), w["detail"]
     assert w["crash_loops"] == 1 and w["restarts"] == 3, w  # the killed run and 2 failed spawns
+    assert w["crashes"] == 4, w  # the kill and the 3 failed starts
     t0 = time.monotonic()
     r = httpx.post(gw.url + "/api/generate", timeout=40, json={
         "model": "demo", "prompt": "x", "raw": True, "stream": False})

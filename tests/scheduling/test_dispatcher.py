@@ -204,6 +204,25 @@ def test_max_pending_zero_rejects_when_full():
         d.submit(t(2))
 
 
+def test_a_retried_ticket_is_admitted_again_past_max_pending():
+    """A request whose worker failed before any answer byte is submitted again (the next
+    attempt of Upstream.request) while the queue is full: the accepted request was answered
+    503 "maximum pending requests exceeded" (a fresh tester's find, max_pending 1, a worker
+    killed). It waits instead, and counts in the queue."""
+    d, _ = mk(n_workers=2, slots=1, max_pending=1)
+    d.submit(t(0))
+    retried = t(1)
+    lease = d.submit(retried)
+    assert lease.worker.id == "w1" and retried.admitted
+    assert d.submit(t(2)) is None  # the one queue place
+    d.set_ready("w1", False)  # its worker went down under it
+    lease.release()
+    assert d.submit(retried) is None  # queued again, past the bound
+    assert d.queue.requests() == 2
+    with pytest.raises(QueueFull):  # new requests still are not
+        d.submit(t(3))
+
+
 def test_follow_on_tickets_wait_beyond_max_pending_and_do_not_count_there():
     """The inputs of an accepted embedding batch (``follow_on``) are never refused by a full
     queue, and they do not count in it: ``max_pending`` counts requests (Ollama's
