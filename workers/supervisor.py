@@ -220,47 +220,12 @@ class WorkerSupervisor:
                     self.log.error("worker.spawn_failed", error=str(e), binary=binary)
                 else:
                     ran = True
-                    exit_task = asyncio.create_task(proc.wait())
-                    reason = await self._await_ready(proc, http, exit_task)
-                    stable = False  # this run stayed ready for STABLE_AFTER_S
-                    if reason is None:
-                        self._failed_starts = 0
-                        self.ready_since = time.monotonic()
-                        self._set_state("ready")
-                        self._ready_evt.set()
-                        self.on_ready(self)
-                        wedged = await self._watch_ready(proc, http, exit_task)
-                        self._ready_evt.clear()
-                        up_s = time.monotonic() - self.ready_since
-                        self.ready_since = None
-                        if self._stopping:
-                            if not exit_task.done():
-                                await exit_task
-                            break
-                        if wedged:
-                            reason = f"wedged: {wedged}"
-                            self.wedges += 1
-                            self._set_state("wedged", reason)
-                            self.log.error("worker.wedged", reason=wedged, pid=proc.pid)
-                            self.on_down(self, reason)
-                            await proc.stop(self.stop_grace_s)
-                            await exit_task
-                        else:
-                            reason = f"exited with status {exit_task.result()}"
-                            self.log.error("worker.crashed", reason=reason, pid=proc.pid, up_s=round(up_s, 3))
-                            self.on_down(self, reason)
-                        if up_s >= self.STABLE_AFTER_S:
-                            backoff = self.backoff_initial_s
-                            stable = True
-                    else:
-                        if not exit_task.done():
-                            await proc.stop(self.stop_grace_s)
-                        await exit_task
-                        if self._stopping:
-                            break
-                        self._failed_starts += 1
-                    self.crashes += 1
-                    self.runs_ended += 1
+                    ended = await self._run_process(proc, http)
+                    if ended is None:
+                        break
+                    reason, stable = ended
+                    if stable:
+                        backoff = self.backoff_initial_s
                 if self._stopping:  # stopped meanwhile (an admin restart): no restart follows
                     break
                 in_window = self._crash_loop() if ran else False  # a failed spawn is no crash
@@ -298,6 +263,51 @@ class WorkerSupervisor:
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
         self._set_state("stopped")
+
+    async def _run_process(self, proc: WorkerProcess, http) -> tuple[str, bool] | None:
+        """Run the started ``proc`` until it ends: ready, watched, then crashed or wedged; or
+        never ready. Returns (why it ended, whether it stayed ready ``STABLE_AFTER_S``), or
+        None when the supervisor was stopped meanwhile (no restart follows)."""
+        exit_task = asyncio.create_task(proc.wait())
+        reason = await self._await_ready(proc, http, exit_task)
+        stable = False  # this run stayed ready for STABLE_AFTER_S
+        if reason is None:
+            self._failed_starts = 0
+            self.ready_since = time.monotonic()
+            self._set_state("ready")
+            self._ready_evt.set()
+            self.on_ready(self)
+            wedged = await self._watch_ready(proc, http, exit_task)
+            self._ready_evt.clear()
+            up_s = time.monotonic() - self.ready_since
+            self.ready_since = None
+            if self._stopping:
+                if not exit_task.done():
+                    await exit_task
+                return None
+            if wedged:
+                reason = f"wedged: {wedged}"
+                self.wedges += 1
+                self._set_state("wedged", reason)
+                self.log.error("worker.wedged", reason=wedged, pid=proc.pid)
+                self.on_down(self, reason)
+                await proc.stop(self.stop_grace_s)
+                await exit_task
+            else:
+                reason = f"exited with status {exit_task.result()}"
+                self.log.error("worker.crashed", reason=reason, pid=proc.pid, up_s=round(up_s, 3))
+                self.on_down(self, reason)
+            stable = up_s >= self.STABLE_AFTER_S
+        else:
+            if not exit_task.done():
+                await proc.stop(self.stop_grace_s)
+            await exit_task
+            if self._stopping:
+                return None
+            self._failed_starts += 1
+        self.crashes += 1
+        self.runs_ended += 1
+        return reason, stable
 
     def _crash_loop(self) -> bool:
         """Record a restart now; True when the last ``crash_loop_restarts`` fell in the window."""
