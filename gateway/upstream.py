@@ -97,14 +97,15 @@ class UpstreamError(Exception):
 CLIENT_FAULT_500 = ("Failed to parse", "json.exception", "input is not supported")
 
 #: llama-server's text when the token it sampled is not one the request's grammar allows,
-#: which happens when the grammar allows no token that sampling kept: a ``logit_bias`` that
-#: bans every token the grammar allows at that point (llama-grammar.cpp
+#: which happens when the grammar allows no token that sampling kept: a grammar that admits
+#: nothing there (GBNF ``[z-a]``), or a ``logit_bias`` that bans every token the grammar
+#: allows at that point (llama-grammar.cpp
 #: ``llama_grammar_accept_token``; it answered 500, or an error event after a 200). The
 #: request's fault, so 400 with :data:`GRAMMAR_DEAD_END_MESSAGE` in front.
 GRAMMAR_DEAD_END_TEXT = "Unexpected empty grammar stack"
-GRAMMAR_DEAD_END_MESSAGE = ("the request's grammar allows no token that sampling kept (a "
-                            "logit_bias that bans every token the grammar allows here?); "
-                            "llama-server: ")
+GRAMMAR_DEAD_END_MESSAGE = ("the request's grammar or schema allows no token that sampling "
+                            "kept here (it admits nothing at this point, or a logit_bias bans "
+                            "every token it allows); llama-server: ")
 
 
 def _client_fault(status: int, message: str) -> tuple[int, str]:

@@ -144,7 +144,7 @@ def test_a_grammar_left_without_tokens_is_the_requests_fault():
     for e in (error_event(err), parse_error_body(500, orjson.dumps({"error": err}))):
         assert e.status == 400
         assert e.message == GRAMMAR_DEAD_END_MESSAGE + text
-        assert e.message.startswith("the request's grammar allows no token that sampling kept")
+        assert e.message.startswith("the request's grammar or schema allows no token that")
     # streamed events take CLIENT_FAULT_500 as answers do
     e = error_event({"code": 500, "message": "Failed to parse messages: x"})
     assert (e.status, e.message) == (400, "Failed to parse messages: x")

@@ -35,7 +35,8 @@ import math
 import re
 import string
 
-from gateway.api.errors import ApiError, shown
+from gateway.api.errors import ApiError
+from gateway.api.schema_pattern import PatternError, rewrite_pattern
 
 #: Largest count llama.cpp's schema reader keeps (a C ``int``).
 COUNT_MAX = 2**31 - 1
@@ -79,7 +80,9 @@ def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
     used. Any other shape is left to the worker's own checks. With ``rewrite`` (a schema the
     worker only turns into a grammar: ``format``, ``response_format``, ``json_schema``; not
     tools, whose schema the model also reads), each string ``pattern`` is replaced in place by
-    :func:`enforceable_pattern` before it is checked."""
+    ``schema_pattern.rewrite_pattern``'s (dropped where that is None) before it is checked.
+    A pattern that is not valid ECMA-262, or has a class no character matches, is a 400
+    naming it as sent (``schema_pattern.PatternError``) on every route."""
     stack = [(schema, where)]
     refs: set[str] = set()
     units = 0
@@ -117,15 +120,19 @@ def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
         if tset is None or tset & {"integer", "number"}:
             _check_bounds(node, path, integer=tset is not None and "integer" in tset)
         if (tset is None or "string" in tset) and isinstance(node.get("pattern"), str):
-            if _unterminated_class(node["pattern"]):  # the worker's 400 named the rewrite
-                raise ApiError(400, f"{path}.pattern: unterminated character class (a [ "
-                                    f"without its ]) in {shown(node['pattern'])}")
-            if rewrite:
-                node["pattern"] = enforceable_pattern(node["pattern"])
-            bad = _regex_bad_repetition(node["pattern"])
-            if bad:
-                raise ApiError(400, f"{path}.pattern: {bad}")
-            _check_positions(regex_costs(node["pattern"]), f"{path}.pattern")
+            try:
+                sent = rewrite_pattern(node["pattern"])
+            except PatternError as e:
+                raise ApiError(400, f"{path}.pattern: {e}") from None
+            if rewrite and sent is None:  # not enforceable: the string's other keywords apply
+                del node["pattern"]
+            elif rewrite:
+                node["pattern"] = sent
+            if "pattern" in node:
+                bad = _regex_bad_repetition(node["pattern"])
+                if bad:
+                    raise ApiError(400, f"{path}.pattern: {bad}")
+                _check_positions(regex_costs(node["pattern"]), f"{path}.pattern")
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and ref not in refs:
             refs.add(ref)
@@ -137,96 +144,6 @@ def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
                 stack.append((v, f"{path}.{k}"))
             elif k in _BY_NAME and isinstance(v, dict):
                 stack.extend((x, f"{path}.{k}.{name}") for name, x in v.items())
-
-
-#: What a JSON string may not hold raw (RFC 8259 §7: the quote, the backslash, the controls;
-#: and DEL, as llama.cpp's own JSON grammar leaves it out), as regex class text. The worker's
-#: converter writes a pattern's characters between the quotes as they are
-#: (json-schema-to-grammar.cpp ``_visit_pattern``), so a class or a dot that allowed them gave
-#: invalid JSON: ``\s`` as ``[ \t\n\r]`` put a raw TAB in 7 of 8 answers, and the converter's
-#: own ``.`` (``[^\x0A\x0D]``) lets a quote through (a fresh tester's find).
-_JSON_UNSAFE = '"\\\\\\x00-\\x1F\\x7F'
-_SAFE_DOT = "[^" + _JSON_UNSAFE + "]"
-
-#: Regex escapes the pinned json-schema-to-grammar does not take (common/json-schema-to-grammar.cpp
-#: ``_visit_pattern``: "unsupported escape", then "accepting any string" with only a line in the
-#: worker's log), as the classes they stand for, less :data:`_JSON_UNSAFE` (``\s`` is the
-#: space only); inside a class, as its ranges.
-_ESCAPES = {"d": "[0-9]", "D": "[^0-9" + _JSON_UNSAFE + "]", "w": "[a-zA-Z0-9_]",
-            "W": "[^a-zA-Z0-9_" + _JSON_UNSAFE + "]", "s": "[ ]", "S": "[^ " + _JSON_UNSAFE + "]"}
-_CLASS_ESCAPES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " "}
-
-
-def _unterminated_class(pattern: str) -> bool:
-    """Whether a ``[`` of the regex ``pattern`` has no ``]`` after it, read as llama.cpp's
-    json-schema-to-grammar reads a class (``_visit_pattern``: to the first unescaped ``]``,
-    "unterminated character class" otherwise) and as ECMA-262 does."""
-    i, n = 0, len(pattern)
-    while i < n:
-        if pattern[i] == "\\":
-            i += 2
-        elif pattern[i] == "[":
-            i += 1
-            while i < n and pattern[i] != "]":
-                i += 2 if pattern[i] == "\\" else 1
-            if i >= n:
-                return True
-            i += 1
-        else:
-            i += 1
-    return False
-
-
-def enforceable_pattern(pattern: str) -> str:
-    r"""``pattern`` as the pinned llama.cpp can enforce it, meaning the same (JSON Schema's
-    ``pattern``: an ECMA-262 search, anywhere in the string). Its converter took a pattern
-    with ``\d``, ``\w`` or ``\s``, or one without both ``^`` and ``$``, as "any string" and
-    said so only in the worker's log, so ``^\d{4}$`` constrained nothing (a fresh tester's
-    find; Ollama runs the same converter). Here ``\d \D \w \W \s \S`` become classes
-    (``[0-9]`` …; inside a class its ranges), and a side without its anchor gets "anything":
-    ``[0-9]{4}`` → ``^.*([0-9]{4}).*$`` in spirit. What the grammar writes raw between a JSON
-    string's quotes may not be a quote, a backslash or a control (:data:`_JSON_UNSAFE`): so
-    ``\s`` is the space, and the dot, the added "anything", ``\D \W \S`` and negated classes
-    leave those out. Other
-    constructs the converter refuses (``\b``, look-arounds, back-references) are left as
-    they are, and the worker still takes the pattern as any string."""
-    out, i, n = [], 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\" and i + 1 < n:
-            out.append(_ESCAPES.get(pattern[i + 1], pattern[i:i + 2]))
-            i += 2
-        elif c == "[":
-            end = _regex_atom_end(pattern, i)
-            if end > n:  # no "]": the worker's own 400 (unterminated character class)
-                out.append(pattern[i:])
-                break
-            j, inner = i, []
-            while j < end:
-                if pattern[j] == "\\" and j + 1 < end:
-                    inner.append(_CLASS_ESCAPES.get(pattern[j + 1], pattern[j:j + 2]))
-                    j += 2
-                else:
-                    inner.append(pattern[j])
-                    j += 1
-            cls = "".join(inner)
-            # a negated class, as the dot: not what a JSON string cannot hold raw
-            out.append(cls[:-1] + _JSON_UNSAFE + "]" if cls.startswith("[^") else cls)
-            i = end
-        else:
-            out.append(_SAFE_DOT if c == "." else c)
-            i += 1
-    body = "".join(out)
-    start = body.startswith("^")
-    # a final "$" is an anchor unless an odd number of backslashes escape it
-    end = body.endswith("$") and (len(body) - 1 - len(body[:-1].rstrip("\\"))) % 2 == 0
-    if start and end and len(body) >= 2:
-        return body
-    core = body[1 if start else 0:len(body) - 1 if end else len(body)]
-    anything = _SAFE_DOT + "*"
-    if not core:
-        return "^" + anything + "$"
-    return "^" + ("" if start else anything) + "(" + core + ")" + ("" if end else anything) + "$"
 
 
 def _pointer(doc, ref: str):
@@ -703,10 +620,11 @@ def check_grammar(text, where: str) -> None:
     i, n = 0, len(text)
     while i < n:
         c = text[i]
-        if c in "\"[":  # a literal "…" or a class […], with backslash escapes
-            close = '"' if c == '"' else "]"
+        if c == "[":
+            i = _gbnf_class_end(text, i, where)
+        elif c == '"':  # a literal "…", with backslash escapes
             i += 1
-            while i < n and text[i] != close:
+            while i < n and text[i] != '"':
                 i += 2 if text[i] == "\\" else 1
             i += 1
         elif c == "#":  # to the end of the line, which llama.cpp ends at \r or \n
@@ -733,6 +651,43 @@ def check_grammar(text, where: str) -> None:
         else:
             i += 1
     _check_positions(grammar_costs(text), where)
+
+
+_GBNF_HEX = {"x": 2, "u": 4, "U": 8}
+_GBNF_ESCAPED = {"t": 9, "r": 13, "n": 10}
+
+
+def _gbnf_char(text: str, i: int) -> tuple[int | None, int]:
+    """(code point, index after it) of the GBNF character at ``text[i]``, read as
+    llama-grammar.cpp ``parse_char`` reads it; None for an escape it would refuse."""
+    if text[i] != "\\":
+        return ord(text[i]), i + 1
+    e = text[i + 1:i + 2]
+    if e in _GBNF_HEX:
+        digits = text[i + 2:i + 2 + _GBNF_HEX[e]]
+        return (int(digits, 16) if digits and all(d in string.hexdigits for d in digits)
+                else None), i + 2 + len(digits)
+    return _GBNF_ESCAPED.get(e, ord(e) if e else None), i + 2
+
+
+def _gbnf_class_end(text: str, i: int, where: str) -> int:
+    """The index after the GBNF character class at ``text[i]`` (``[``), read as
+    llama-grammar.cpp ``parse_sequence`` reads one. Raises ApiError(400) for a range whose
+    end is below its start (``[z-a]``): the worker took it, matched no character with it, and
+    answered 500 "Unexpected empty grammar stack" when an answer reached it (a fresh
+    tester's find)."""
+    n = len(text)
+    i += 2 if text.startswith("[^", i) else 1
+    while i < n and text[i] != "]":
+        at = i
+        lo, i = _gbnf_char(text, i)
+        if i + 1 < n and text[i] == "-" and text[i + 1] != "]":
+            hi, i = _gbnf_char(text, i + 1)
+            if lo is not None and hi is not None and hi < lo:
+                raise ApiError(400, f"{where}: the character class range {text[at:i]} is out "
+                                    f"of order (its end is below its start), so it matches "
+                                    f"no character")
+    return i + 1
 
 
 def _too_many(rep: str) -> str:

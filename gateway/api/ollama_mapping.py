@@ -199,7 +199,8 @@ class StreamState:
         self.error = _err_text(err)
         if isinstance(err, dict) and err.get("type") == "exceed_context_size_error":
             self.error, self.error_status = CONTEXT_OVERFLOW_MESSAGE, 400
-        elif (e := error_event(err)).kind == "kv_exhausted":  # load: 503 (upstream.error_event)
+        elif (e := error_event(err)).kind == "kv_exhausted" or 400 <= e.status < 500:
+            # load: 503; a 500 that is the request's fault: 400 (upstream.error_event)
             self.error, self.error_status = e.message, e.status
 
     def take_logprobs(self, top: int = 20) -> list[dict]:

@@ -56,6 +56,13 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     rename = None if asked == entry.name else (_model_field(entry.name), _model_field(asked))
     convert = None  # a completion's events turned into chat chunks (openai_structured)
     legacy = None  # /v1/completions: OpenAI's legacy logprobs and id (openai_legacy)
+    # logprobs without alternatives: llama-server sends no logprobs at all for top_logprobs
+    # 0 (its n_probs 0), OpenAI sends each token's with top_logprobs [] (a fresh tester's
+    # find); one alternative is asked for and dropped from the answer
+    no_tops = required == "messages" and body.get("logprobs") is True \
+        and body.get("top_logprobs") == 0
+    if no_tops:
+        body["top_logprobs"] = 1
     if required == "messages":
         body, path, convert = await _chat_route(gw, entry, body, path)
     else:
@@ -99,6 +106,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                     if legacy is not None:
                         legacy.answer(answer)
                     answer["model"] = asked
+                    if no_tops:
+                        _clear_top_logprobs(answer)
                     note_usage(request, answer["usage"])
                     return json_body(orjson.dumps(answer))
                 if not stream:
@@ -106,6 +115,8 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                     note_openai_usage(request, data)
                     if rename is not None:
                         data = data.replace(*rename)
+                    if no_tops:
+                        data = orjson.dumps(_clear_top_logprobs(orjson.loads(data)))
                     return json_body(data)
                 if not resp.progress and not started:
                     # A short prompt: its stream starts with the worker's headers, as before its
@@ -115,7 +126,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 await _relay_stream(request, resp, started, include_usage, UsageSum(per_prompt),
                                     legacy.events if legacy is not None else convert,
                                     chat=per_prompt if required == "messages" and convert is None
-                                    else 0, rename=rename)
+                                    else 0, rename=rename, no_tops=no_tops)
                 out = started[0]
         except (Unavailable, QueueFull, QueueTimeout) as e:  # admission will not run it
             # a model a reload removed while this waited: OpenAI's own words, as for a request
@@ -264,7 +275,8 @@ def _model_field(name: str) -> bytes:
 
 async def _relay_stream(request: web.Request, resp, started: list,
                         include_usage: bool, usage: UsageSum, convert=None,
-                        chat: int = 0, rename: tuple[bytes, bytes] | None = None) -> None:
+                        chat: int = 0, rename: tuple[bytes, bytes] | None = None,
+                        no_tops: bool = False) -> None:
     """Relay upstream SSE events, normalising usage (OpenAI ``stream_options.include_usage``):
     with it, usage comes only in a last chunk with ``choices: []`` before ``[DONE]``; without
     it, no usage at all. llama-server's ``/v1/completions`` puts usage on the finish chunk
@@ -293,7 +305,8 @@ async def _relay_stream(request: web.Request, resp, started: list,
     fresh tester's find). A role chunk is put before each choice's first chunk that has none.
 
     ``rename``: (``"model":"<canonical>"``, ``"model":"<asked>"``) as bytes, swapped in every
-    write, or None."""
+    write, or None. ``no_tops``: each logprobs entry's ``top_logprobs`` is emptied
+    (:func:`_clear_top_logprobs`)."""
     head: dict | None = None  # the first usage event, less its choices, usage and timings
     roles_due = set(range(chat))  # choices whose role has not been sent yet
 
@@ -309,6 +322,8 @@ async def _relay_stream(request: web.Request, resp, started: list,
             batch = convert(batch)
         parts: list[bytes] = []
         for data in batch:
+            if no_tops and b'"top_logprobs"' in data:
+                data = orjson.dumps(_clear_top_logprobs(orjson.loads(data)))
             if chat and b'"role"' in data and b'"error"' not in data:
                 data = _without_repeated_roles(data, roles_due)
                 if data is None:
@@ -347,6 +362,17 @@ async def _relay_stream(request: web.Request, resp, started: list,
     if include_usage and head is not None:
         last = _sse(head | {"choices": [], "usage": usage.total()})
     await write(last + b"data: [DONE]\n\n")
+
+
+def _clear_top_logprobs(ev: dict) -> dict:
+    """Chat answer or chunk ``ev`` (changed in place and returned) with every
+    ``choices[].logprobs.content[].top_logprobs`` empty: OpenAI's answer for
+    ``top_logprobs: 0``."""
+    for c in ev.get("choices") or () if isinstance(ev, dict) else ():
+        for e in (c.get("logprobs") or {}).get("content") or ():
+            if isinstance(e, dict):
+                e["top_logprobs"] = []
+    return ev
 
 
 def _without_repeated_roles(data: bytes, roles_due: set[int]) -> bytes | None:

@@ -4,8 +4,8 @@ are refused with 400; everything else passes to the worker unchanged."""
 import pytest
 
 from gateway.api.errors import ApiError
+from gateway.api.schema_pattern import rewrite_pattern
 from gateway.api.grammar_checks import (COUNT_MAX, NESTED_POSITIONS_MAX, REPEATED_EMPTY_MAX,
-                                         enforceable_pattern,
                                          check_grammar, grammar_costs, regex_costs,
                                          check_schema, check_tools, grammar_nested_cost,
                                          regex_nested_cost)
@@ -289,32 +289,43 @@ def test_grammar_repetitions_of_a_part_that_can_be_empty_are_counted(grammar, br
         check_grammar(grammar, "grammar")
 
 
-#: What the rewrite leaves out of dots and negated classes: a JSON string's raw unsafe
-#: characters, as regex class text.
-U = r'"\\\x00-\x1F\x7F'
-ANY = "[^" + U + "]*"
-
-
-@pytest.mark.parametrize("pattern,sent", [
-    (r"^\d{4}$", "^[0-9]{4}$"), (r"^\d{4}-\d{2}-\d{2}$", "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"),
-    (r"^[\w.-]+@[\w-]+\.\w{2,}$", r"^[a-zA-Z0-9_.-]+@[a-zA-Z0-9_-]+\.[a-zA-Z0-9_]{2,}$"),
-    (r"^[^\d\s]+$", "^[^0-9 " + U + "]+$"), (r"^\S+\s\D$", "^[^ " + U + "]+[ ][^0-9" + U + "]$"),
-    (r"[0-9]{4}", f"^{ANY}([0-9]{{4}}){ANY}$"), ("abc$", f"^{ANY}(abc)$"), ("^abc", f"^(abc){ANY}$"),
-    (r"^a\$", rf"^(a\$){ANY}$"), (r"^a\\$", r"^a\\$"), ("", f"^{ANY}$"), ("^", f"^{ANY}$"),
-    # what a JSON string cannot hold raw is left out of dots and negated classes (a raw TAB
-    # or quote made the answer invalid JSON; a fresh tester's find)
-    (r"^\s?x$", "^[ ]?x$"), ("^.{5}$", "^[^" + U + "]{5}$"), ("^[^a]+$", "^[^a" + U + "]+$"),
-    (r"^\bx$", r"^\bx$"),  # not takeable either way: left as it is
-    (r"^[\]\d]$", r"^[\]0-9]$"), ("^a|b$", "^a|b$"),
-])
-def test_patterns_are_written_as_the_worker_can_enforce_them(pattern, sent):
-    assert enforceable_pattern(pattern) == sent
+@pytest.mark.parametrize("pattern", [r"^\d{4}$", "[0-9]{4}", r"^[\s\S]{4,8}$", "^a$|^b$"])
+def test_format_patterns_are_rewritten_and_tool_patterns_kept(pattern):
+    """Where only a grammar is built from the schema, its patterns are rewritten for the
+    worker (tests/api/test_schema_pattern.py); tools' schemas, which the model reads, stay."""
     schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": pattern}}}
     check_schema(schema, "format", rewrite=True)
-    assert schema["properties"]["v"]["pattern"] == sent
+    assert schema["properties"]["v"]["pattern"] == rewrite_pattern(pattern) != pattern
     tools = {"type": "string", "pattern": pattern}
-    check_schema(tools, "tools[0]")  # tools' schemas, which the model reads, stay as sent
+    check_schema(tools, "tools[0]")
     assert tools["pattern"] == pattern
+
+
+def test_a_pattern_no_rewrite_enforces_is_dropped_and_its_lengths_apply():
+    """``\b`` cannot be enforced by the worker's converter however written: it took the
+    pattern as any string and ignored minLength/maxLength; dropped, those apply."""
+    schema = {"type": "string", "pattern": r"^\bx", "maxLength": 4}
+    check_schema(schema, "format", rewrite=True)
+    assert schema == {"type": "string", "maxLength": 4}
+
+
+@pytest.mark.parametrize("pattern, says", [
+    ("^[z-a]$", 'format.pattern: range out of order in character class (z-a) in "^[z-a]$"'),
+    ("[]", 'format.pattern: [] matches no character in "[]"'),
+    ("^a\\", 'format.pattern: \\ at end of pattern in "^a\\\\"'),
+    ("*a", 'format.pattern: nothing to repeat at "*a" in "*a"'),
+    ("ab)", 'format.pattern: unmatched ) at 2 in "ab)"'),
+])
+def test_invalid_patterns_are_400_naming_the_pattern_as_sent(pattern, says):
+    """The worker's 400 for these quoted the gateway's rewrite ("unbalanced parentheses" for
+    a pattern without any), and ``[z-a]`` was its 500 "Unexpected empty grammar stack"
+    (a fresh tester's finds). Tools' patterns, which the worker also converts, alike."""
+    for rewrite in (True, False):
+        schema = {"type": "string", "pattern": pattern}
+        with pytest.raises(ApiError) as e:
+            check_schema(schema, "format", rewrite=rewrite)
+        assert (e.value.status, e.value.message) == (400, says)
+        assert schema["pattern"] == pattern
 
 
 @pytest.mark.parametrize("pattern", [
@@ -359,6 +370,26 @@ def test_an_unclosed_class_is_400_before_any_rewrite(pattern):
         assert schema["pattern"] == pattern  # refused as the client sent it
 
 
-@pytest.mark.parametrize("pattern", ["[a]", "[]", "\\[", "[\\]]", "^[a-z]+$"])
+@pytest.mark.parametrize("pattern", ["[a]", "[^]", "\\[", "[\\]]", "^[a-z]+$"])
 def test_closed_classes_pass(pattern):
     check_schema({"type": "string", "pattern": pattern}, "format", rewrite=True)
+
+
+@pytest.mark.parametrize("grammar, bad", [
+    ("root ::= [z-a]", "z-a"), (r"root ::= [a-z]+ [\x7f-\x00]", r"\x7f-\x00"),
+    (r"root ::= [\u0100-\u00ff]", r"\u0100-\u00ff"), (r"root ::= [^\]-\[]", r"\]-\["),
+])
+def test_grammar_class_ranges_out_of_order_are_400(grammar, bad):
+    """The worker took ``[z-a]``, which matches no character, and answered 500 "Unexpected
+    empty grammar stack" when an answer reached it (a fresh tester's find)."""
+    with pytest.raises(ApiError) as e:
+        check_grammar(grammar, "grammar")
+    assert e.value.message == (f"grammar: the character class range {bad} is out of order (its "
+                               f"end is below its start), so it matches no character")
+
+
+@pytest.mark.parametrize("grammar", [
+    'root ::= "[z-a]"', "root ::= [a-z] # [z-a]", r"root ::= [^\]a-]", r"root ::= [\x00-\x7f]",
+    "root ::= [a-a]", r'root ::= ["\\-z]'])
+def test_grammar_class_ranges_in_order_literals_and_comments_pass(grammar):
+    check_grammar(grammar, "grammar")

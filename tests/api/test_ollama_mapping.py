@@ -150,6 +150,19 @@ def test_overflow_event_becomes_ollama_400_text():
     assert (st.error, st.error_status) == (CONTEXT_OVERFLOW_MESSAGE, 400)
 
 
+def test_error_events_that_are_the_requests_fault_are_400_on_ollama_routes():
+    """A grammar dead end came as a 500 on /api while /v1 answered it 400 (a fresh tester's
+    find); a 500 that is not the request's fault stays 500."""
+    dead_end = "got exception: Unexpected empty grammar stack after accepting piece: x"
+    for fold in ("fold_chat", "fold_completion"):
+        st = StreamState(t_start_ns=0)
+        getattr(st, fold)({"error": {"code": 500, "message": dead_end, "type": "server_error"}})
+        assert st.error_status == 400 and st.error.endswith("llama-server: " + dead_end)
+        st = StreamState(t_start_ns=0)
+        getattr(st, fold)({"error": {"code": 500, "message": "got exception: out of memory"}})
+        assert (st.error, st.error_status) == ("got exception: out of memory", 500)
+
+
 def test_metrics_are_integer_ns_from_worker_timings():
     st = StreamState(t_start_ns=1)
     st.t_loaded_ns = 2

@@ -290,9 +290,9 @@ def test_logit_bias_that_bans_every_token_of_the_grammar_is_400(gw):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
-    assert err["message"].startswith("the request's grammar allows no token that sampling "
-                                     "kept (a logit_bias that bans every token the grammar "
-                                     "allows here?); llama-server: ")
+    assert err["message"].startswith("the request's grammar or schema allows no token that "
+                                     "sampling kept here (it admits nothing at this point, or "
+                                     "a logit_bias bans every token it allows); llama-server: ")
     assert "Unexpected empty grammar stack" in err["message"]
     with httpx.stream("POST", gw.url + "/v1/completions", json={**body, "stream": True},
                       timeout=30) as r:
@@ -456,6 +456,26 @@ def test_structured_output_with_logprobs_keeps_the_answer(client):
                     for e in ch.choices[0].logprobs.content]
         assert text == c.message.content and [e.token for e in streamed] == \
             [e.token for e in entries], seed
+
+
+def test_logprobs_with_top_logprobs_0_give_each_tokens_logprob_without_alternatives(client):
+    """OpenAI answers ``logprobs: true, top_logprobs: 0`` with each token's logprob and
+    ``top_logprobs: []``; llama-server (its ``n_probs`` 0) sent no logprobs at all, on the chat
+    route and under a ``response_format`` alike (a fresh tester's find)."""
+    for extra in ({}, {"response_format": {"type": "json_object"}}):
+        kw = dict(model="demo", max_tokens=4, seed=3, messages=MSG, logprobs=True,
+                  top_logprobs=0, **extra)
+        entries = client.chat.completions.create(**kw).choices[0].logprobs.content
+        assert entries and all(e.top_logprobs == [] and e.logprob <= 0 for e in entries), extra
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
+                    for e in ch.choices[0].logprobs.content]
+        assert [(e.token, e.top_logprobs) for e in streamed] == \
+            [(e.token, []) for e in entries], extra
+        one = client.chat.completions.create(**{**kw, "top_logprobs": 1})
+        assert [e.logprob for e in one.choices[0].logprobs.content] == \
+            [e.logprob for e in entries]  # the same tokens, with one alternative each
+        assert all(len(e.top_logprobs) == 1 for e in one.choices[0].logprobs.content)
 
 
 def test_a_continued_message_streams_one_role_chunk_and_its_echo_whatever_the_prompt_size(gw):
