@@ -63,6 +63,7 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
         and body.get("top_logprobs") == 0
     if no_tops:
         body["top_logprobs"] = 1
+    prefilled_format = required == "messages" and openai_structured.prefilled_format(body)
     if required == "messages":
         body, path, convert = await _chat_route(gw, entry, body, path)
     else:
@@ -135,6 +136,9 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
                 admission_error(e, gw.config.queue.retry_after_s)
             return openai_error(err.status, err.message, err.headers, code=err.code, type=err.type)
         except UpstreamError as e:
+            if prefilled_format and e.status == 400 and \
+                    e.message.startswith(openai_structured.SAMPLER_INIT_FAILED):
+                e.message = openai_structured.PREFILL_OUTSIDE_FORMAT + e.message
             # nothing of the answer out yet (a stream's headers at most): once more elsewhere
             if tries == 1 and not request.get(_EVENTS_OUT) and answer_again(gw, ticket, e, request):
                 continue

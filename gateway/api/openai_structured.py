@@ -60,6 +60,27 @@ def completion_schema(body: dict) -> dict | None:
     return format_schema(rf)
 
 
+#: The start of llama-server's error when a request's grammar could not be set up: among other
+#: faults, when the chat's continued last assistant message (a prefill) is not the start of
+#: what the output format allows (common/sampling.cpp feeds the generation prompt to an
+#: output-format grammar and rethrows its error as a bare ``std::exception``).
+SAMPLER_INIT_FAILED = "Failed to initialize samplers"
+PREFILL_OUTSIDE_FORMAT = ("the last assistant message is continued (a prefill) under the "
+                          "response_format's grammar, so it must itself start what the format "
+                          "allows (such as '{\"answer\": \"'), and it does not; llama-server: ")
+
+
+def prefilled_format(body: dict) -> bool:
+    """Whether chat ``body`` continues its last assistant message under a JSON
+    ``response_format`` (or llama-server's ``json_schema``): a :data:`SAMPLER_INIT_FAILED`
+    answer to it is :data:`PREFILL_OUTSIDE_FORMAT` (llama-server said only ``std::exception``;
+    a fresh tester's find)."""
+    msgs = body.get("messages") or ()
+    last = msgs[-1] if isinstance(msgs, list) and msgs else None
+    return isinstance(last, dict) and last.get("role") == "assistant" and (
+        format_schema(body.get("response_format")) is not None or "json_schema" in body)
+
+
 def format_schema(rf) -> dict | None:
     """The JSON schema of a validated ``response_format`` (``{}``: any JSON object), or None
     for ``text`` / none."""

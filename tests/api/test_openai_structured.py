@@ -102,3 +102,13 @@ def test_completion_body_keeps_sampling_and_drops_chat_fields():
     assert completion_body({**body, "logprobs": True}, "p", {})["n_probs"] == 20
     assert "n_probs" not in completion_body({**body, "logprobs": False, "top_logprobs": None}, "p", {})
     assert empty["prompt"] == "" and empty["n"] == 2
+
+
+def test_prefilled_format_is_a_last_assistant_message_under_a_json_format():
+    from gateway.api.openai_structured import prefilled_format
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    assert prefilled_format({"messages": msgs, "response_format": {"type": "json_object"}})
+    assert prefilled_format({"messages": msgs, "json_schema": {}})
+    assert not prefilled_format({"messages": msgs, "response_format": {"type": "text"}})
+    assert not prefilled_format({"messages": msgs[:1], "response_format": {"type": "json_object"}})
+    assert not prefilled_format({"messages": "x", "response_format": {"type": "json_object"}})

@@ -458,6 +458,28 @@ def test_structured_output_with_logprobs_keeps_the_answer(client):
             [e.token for e in entries], seed
 
 
+def test_a_prefill_outside_the_response_format_is_a_400_that_says_so(gw):
+    """A chat whose last assistant message does not start what its JSON ``response_format``
+    allows got llama-server's 400 "Failed to initialize samplers: std::exception" (a fresh
+    tester's find); one that does is continued."""
+    def chat(prefill, stream=False):
+        return httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "demo", "max_tokens": 6, "seed": 1, "stream": stream,
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": prefill}],
+            "response_format": {"type": "json_object"}})
+    for stream in (False, True):
+        r = chat("Sure", stream)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+        assert err["message"].startswith("the last assistant message is continued (a prefill) "
+                                         "under the response_format's grammar"), err
+    r = chat('{"v": "')
+    assert r.status_code == 200 and \
+        r.json()["choices"][0]["message"]["content"].startswith('{"v": "'), r.text
+
+
 def test_logprobs_with_top_logprobs_0_give_each_tokens_logprob_without_alternatives(client):
     """OpenAI answers ``logprobs: true, top_logprobs: 0`` with each token's logprob and
     ``top_logprobs: []``; llama-server (its ``n_probs`` 0) sent no logprobs at all, on the chat
