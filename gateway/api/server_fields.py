@@ -51,13 +51,19 @@ def check_server_fields(body: dict, chat: bool, adapters: int | None) -> None:
     route (``chat``) llama-server replaces ``grammar_lazy``, ``grammar_triggers`` and
     ``preserved_tokens`` with the chat template's own (server-common.cpp
     ``oaicompat_chat_params_parse``), so a lazy grammar ran from the first token: those are
-    refused there, with the route that takes them named."""
+    refused there, with the route that takes them named. A chat that continues its last
+    message (``continue_final_message`` set) without ``add_generation_prompt`` gets
+    ``add_generation_prompt: false`` in ``body``: llama-server's default true made it answer
+    400 "Cannot set both add_generation_prompt and continue_final_message to true"."""
     _check_lora(body.get("lora"), adapters)
     _check_samplers(body.get("samplers"))
     cont = body.get("continue_final_message")
     if cont is not None and not isinstance(cont, bool) and cont not in CONTINUATIONS:
         raise ApiError(400, f"continue_final_message must be a boolean, \"content\" or "
                             f"\"reasoning_content\", got {_short(cont)}")
+    if chat and cont not in (None, False) and "add_generation_prompt" not in body:
+        body["add_generation_prompt"] = False  # what continuing means; llama-server's default
+        # true made it refuse the pair it was not sent (a fresh tester's find)
     if chat:
         for k in ("grammar_lazy", "grammar_triggers", "preserved_tokens"):
             if body.get(k):  # false / [] / null change nothing

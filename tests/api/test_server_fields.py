@@ -52,6 +52,18 @@ def test_samplers_are_llama_servers_names_or_letters():
     assert _refused({"samplers": "kz"}).startswith('samplers: unknown sampler letter "z"')
 
 
+def test_a_continuation_without_add_generation_prompt_gets_it_false():
+    for v in (True, "content", "reasoning_content"):
+        body = {"continue_final_message": v}
+        check_server_fields(body, True, None)
+        assert body["add_generation_prompt"] is False
+    for body in ({"continue_final_message": True, "add_generation_prompt": True},
+                 {"continue_final_message": False}, {}):
+        before = dict(body)
+        check_server_fields(body, True, None)
+        assert body == before  # the client's own choice, or nothing to continue
+
+
 def test_continue_final_message_values():
     for v in (True, False, "content", "reasoning_content", None):
         check_server_fields({"continue_final_message": v}, True, None)

@@ -480,6 +480,22 @@ def test_a_prefill_outside_the_response_format_is_a_400_that_says_so(gw):
         r.json()["choices"][0]["message"]["content"].startswith('{"v": "'), r.text
 
 
+def test_continue_final_message_alone_continues(gw):
+    """``continue_final_message: true`` without ``add_generation_prompt: false`` got
+    llama-server's 400 "Cannot set both add_generation_prompt and continue_final_message to
+    true", a pair the client had not sent (a fresh tester's find)."""
+    for v in (True, "content"):
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+            "model": "demo", "max_tokens": 3, "seed": 1, "continue_final_message": v,
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "Sure"}]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "max_tokens": 3, "continue_final_message": True,
+        "add_generation_prompt": True, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "Cannot set both" in r.json()["error"]["message"]
+
+
 def test_logprobs_with_top_logprobs_0_give_each_tokens_logprob_without_alternatives(client):
     """OpenAI answers ``logprobs: true, top_logprobs: 0`` with each token's logprob and
     ``top_logprobs: []``; llama-server (its ``n_probs`` 0) sent no logprobs at all, on the chat
