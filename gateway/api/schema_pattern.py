@@ -84,6 +84,9 @@ _CONTROL_ESCAPES = {"f": 0x0C, "n": 0x0A, "r": 0x0D, "t": 0x09, "v": 0x0B}
 #: What a JSON string may not hold raw (RFC 8259 §7: the quote, the backslash, the controls),
 #: and DEL, which llama.cpp's JSON string grammar leaves out (PRIMITIVE_RULES ``char``).
 _UNSAFE = _norm(((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F)))
+#: UTF-16 surrogates: no UTF-8 text holds them, so a class never offers them (llama.cpp's
+#: grammar decodes their invalid 3-byte forms as these code points).
+_SURROGATES = ((0xD800, 0xDFFF),)
 #: RFC 8259's two-character escapes, by the code point they stand for.
 _SHORT = {0x22: r"\x22", 0x5C: r"\x5C", 0x08: "b", 0x09: "t", 0x0A: "n", 0x0C: "f", 0x0D: "r"}
 #: Characters a literal may hold raw: the converter copies them byte for byte and reads no
@@ -124,11 +127,12 @@ def _literal(c: int) -> str:
 
 
 def _class_text(r: Ranges) -> str:
-    def body(rs: Ranges) -> str:
-        return "".join(_point(a) if a == b else _point(a) + ("" if b == a + 1 else "-") + _point(b)
-                       for a, b in rs)
-    pos, neg = "[" + body(r) + "]", "[^" + body(_complement(r)) + "]"
-    return pos if len(pos) <= len(neg) else neg
+    """The set ``r`` as a positive class. Never a negated one: llama.cpp's grammar decodes
+    invalid UTF-8 (5- and 6-byte leads, surrogates) to code points past U+10FFFF or in
+    U+D800-DFFF, which a negated class takes and a positive one does not, and the answer's
+    text then held U+FFFD for each (30 of 80 answers under negated classes, demo model)."""
+    return "[" + "".join(_point(a) if a == b else
+                         _point(a) + ("" if b == a + 1 else "-") + _point(b) for a, b in r) + "]"
 
 
 def _hex_class(digits: list[int]) -> str:
@@ -148,7 +152,7 @@ def encoded(r: Ranges, source: str) -> str:
     if not r:
         raise PatternError(f"{source} matches no character")
     alts = []
-    safe = _minus(r, _UNSAFE)
+    safe = _minus(r, _UNSAFE + _SURROGATES)
     if safe:
         alts.append(_class_text(safe) if len(safe) > 1 or safe[0][0] != safe[0][1]
                     or chr(safe[0][0]) not in _PLAIN else chr(safe[0][0]))
