@@ -282,8 +282,8 @@ class _Reader:
             else:
                 raise self.fail(f"invalid group at {shown(p[self.i - 1:self.i + 7])}")
         self.depth += 1
-        if self.depth >= _DEPTH_MAX:  # the rewrite nests one more level for escapes
-            self.unsupported = True
+        if self.depth >= _DEPTH_MAX:  # the rewrite nests one more level for escapes; the
+            raise _Unsupported()      # converter's "too deep" (and no deeper recursion here)
         alts = self.disjunction(top=False)
         if self.i >= self.n or p[self.i] != ")":
             raise self.fail("unterminated group (a ( without its ))")
@@ -396,7 +396,10 @@ def rewrite_pattern(pattern: str) -> str | None:
     (module docstring); None when it has a construct no rewrite makes enforceable. Raises
     PatternError for an ECMA-262 syntax error or a class that matches no character."""
     reader = _Reader(pattern)
-    alts = reader.disjunction(top=True)
+    try:
+        alts = reader.disjunction(top=True)
+    except _Unsupported:
+        return None
     if reader.i < reader.n:  # a ")" with no "(" before it
         raise reader.fail(f"unmatched ) at {reader.i}")
     if reader.unsupported:

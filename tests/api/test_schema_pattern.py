@@ -133,6 +133,7 @@ def test_unanchored_sides_get_any_characters():
 @pytest.mark.parametrize("pattern", [
     r"^\bx$", r"^x\B", r"^(a)\1$", "^(?=a)a$", "^(?!a).$", "^(?<=a)b", "^(?<!a)b",
     r"^\p{L}+$", r"^[\P{L}]$", r"^(?<n>a)\k<n>$", "^a$b", "a^b", "^(^a)$", "(" * 100 + ")" * 100,
+    "(" * 5000 + ")" * 5000,  # past Python's recursion limit (a 500 RecursionError if recursed)
 ])
 def test_constructs_the_converter_cannot_enforce_give_none(pattern):
     assert rewrite_pattern(pattern) is None
