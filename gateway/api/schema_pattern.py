@@ -30,6 +30,7 @@ the string's other keywords still apply.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from gateway.api.errors import shown
@@ -144,6 +145,7 @@ def _hex_class(digits: list[int]) -> str:
                          for a, b in runs) + "]"
 
 
+@functools.lru_cache(maxsize=1024)
 def encoded(r: Ranges, source: str) -> str:
     r"""Regex over a JSON string's text that matches exactly one encoded character of the set
     ``r``: a class of what JSON holds raw, ``\\`` plus a short escape, ``\\u00XX`` for the
