@@ -129,8 +129,9 @@ def _literal(c: int) -> str:
 
 def _class_text(r: Ranges) -> str:
     """The set ``r`` as a positive class. Never a negated one: llama.cpp's grammar decodes
-    invalid UTF-8 (5- and 6-byte leads, surrogates) to code points past U+10FFFF or in
-    U+D800-DFFF, which a negated class takes and a positive one does not, and the answer's
+    invalid UTF-8 (lead bytes F5-FF, encoded surrogates) to code points past U+10FFFF or in
+    U+D800-DFFF (llama-grammar.cpp ``decode_utf8``), which a negated class takes and a
+    positive one does not, and the answer's
     text then held U+FFFD for each (30 of 80 answers under negated classes, demo model)."""
     return "[" + "".join(_point(a) if a == b else
                          _point(a) + ("" if b == a + 1 else "-") + _point(b) for a, b in r) + "]"
