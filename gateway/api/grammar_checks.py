@@ -35,7 +35,9 @@ import math
 import re
 import string
 
-from gateway.api.errors import ApiError
+import orjson
+
+from gateway.api.errors import ApiError, shown
 from gateway.api.schema_pattern import PatternError, rewrite_pattern
 
 #: Largest count llama.cpp's schema reader keeps (a C ``int``).
@@ -86,6 +88,7 @@ def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
     stack = [(schema, where)]
     refs: set[str] = set()
     units = 0
+    totals = [0, 0]  # the patterns' positions and repeated-empty branching, summed
     while stack:
         node, path = stack.pop()
         if not isinstance(node, dict):
@@ -120,19 +123,7 @@ def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
         if tset is None or tset & {"integer", "number"}:
             _check_bounds(node, path, integer=tset is not None and "integer" in tset)
         if (tset is None or "string" in tset) and isinstance(node.get("pattern"), str):
-            try:
-                sent = rewrite_pattern(node["pattern"])
-            except PatternError as e:
-                raise ApiError(400, f"{path}.pattern: {e}") from None
-            if rewrite and sent is None:  # not enforceable: the string's other keywords apply
-                del node["pattern"]
-            elif rewrite:
-                node["pattern"] = sent
-            if "pattern" in node:
-                bad = _regex_bad_repetition(node["pattern"])
-                if bad:
-                    raise ApiError(400, f"{path}.pattern: {bad}")
-                _check_positions(regex_costs(node["pattern"]), f"{path}.pattern")
+            _check_pattern(node, path, rewrite, totals, where)
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and ref not in refs:
             refs.add(ref)
@@ -144,6 +135,67 @@ def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
                 stack.append((v, f"{path}.{k}"))
             elif k in _BY_NAME and isinstance(v, dict):
                 stack.extend((x, f"{path}.{k}.{name}") for name, x in v.items())
+
+
+def _check_pattern(node: dict, path: str, rewrite: bool, totals: list[int], where: str) -> None:
+    """:func:`check_schema`'s checks of the string schema ``node``'s ``pattern`` (at
+    ``path``): ECMA-262 syntax, then (``rewrite``) the pattern replaced by the worker's
+    rewrite or dropped, ``enum``/``const`` kept to what it matches, and the rewrite's
+    repetitions counted, alone and added to ``totals`` (the schema's, named ``where``)."""
+    sent_by_client = node["pattern"]
+    try:
+        sent = rewrite_pattern(sent_by_client)
+    except PatternError as e:
+        raise ApiError(400, f"{path}.pattern: {e}") from None
+    if rewrite and sent is None:  # not enforceable: the string's other keywords apply
+        del node["pattern"]
+        return
+    if rewrite:
+        node["pattern"] = sent
+        _keep_matching_values(node, sent, path)
+    try:
+        bad = _regex_bad_repetition(node["pattern"])
+        if bad:
+            raise ApiError(400, f"{path}.pattern: {bad}")
+        found = regex_costs(node["pattern"])
+        _check_positions(found, f"{path}.pattern")
+    except ApiError as e:
+        if node["pattern"] != sent_by_client:  # the text quoted is the rewrite's
+            e.message += (f" (counted in {shown(sent_by_client)} as the gateway writes it for "
+                          f"the worker, each class and dot with its JSON escapes)")
+        raise
+    totals[0] += found[0][0]
+    totals[1] += found[1][0]
+    if totals[0] > SCHEMA_COST_FACTOR * NESTED_POSITIONS_MAX or \
+            totals[1] > SCHEMA_COST_FACTOR * REPEATED_EMPTY_MAX:
+        raise ApiError(400, f"{where}: its patterns together have about {totals[0]} grammar "
+                            f"positions and {totals[1]} places per character in repetitions "
+                            f"of parts that can be empty (at most {SCHEMA_COST_FACTOR} times "
+                            f"each pattern's limit, {NESTED_POSITIONS_MAX} and "
+                            f"{REPEATED_EMPTY_MAX}, in one schema): the worker's grammar tries "
+                            f"anyOf branches at once, so their costs add up")
+
+
+def _keep_matching_values(node: dict, sent: str, path: str) -> None:
+    """Leave out of ``node``'s ``enum`` the strings that its rewritten ``pattern`` (``sent``,
+    a regex over the JSON text that Python's ``re`` reads as the worker's converter does) does
+    not match; a ``const`` string it does not match is a 400. llama.cpp's schema reader takes
+    ``const``, then ``enum``, before the type's keywords (common/json-schema.cpp), so the
+    answer could be an ``enum`` value the pattern refused (a fresh tester's find). Raises
+    ApiError(400) when no value is left."""
+    def matches(v) -> bool:
+        text = orjson.dumps(v).decode()[1:-1].replace("\x7f", "\\u007f")
+        return not isinstance(v, str) or re.fullmatch(sent, text) is not None
+    if "const" in node:
+        if not matches(node["const"]):
+            raise ApiError(400, f"{path}: const {shown(node['const'])} does not match the "
+                                f"pattern; no value can match the schema")
+    elif isinstance(node.get("enum"), list) and node["enum"]:
+        kept = [v for v in node["enum"] if matches(v)]
+        if not kept:
+            raise ApiError(400, f"{path}: no enum value matches the pattern; no value can "
+                                f"match the schema")
+        node["enum"] = kept
 
 
 def _pointer(doc, ref: str):
@@ -246,6 +298,13 @@ NESTED_POSITIONS_MAX = 500
 #: both within the position count above. An unbounded ``(a?)*`` is one recursive rule (2 ms
 #: per token) and is not counted; ``(a{0,20}){0,20}`` counts 20 (36 ms per token).
 REPEATED_EMPTY_MAX = 64
+
+#: How many times each pattern's limit above all the patterns of one schema may reach
+#: together: patterns in ``anyOf`` branches are live at once, and their costs add up (a fresh
+#: tester's: 10 branches of ``^(a*){60}a{100}$``, each within the limits, 485 ms per token;
+#: 80 branches 5.5 s, which froze both slots). Patterns of sequential properties are counted
+#: too, which refuses some schemas that would not be slow.
+SCHEMA_COST_FACTOR = 2
 
 _QUANT = re.compile(r"[*+?]\??")  # braces: read by hand in _quantifier
 

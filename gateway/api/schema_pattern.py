@@ -98,6 +98,7 @@ _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567
 #: The converter's group nesting limit (MAX_PATTERN_DEPTH): deeper is "any string".
 _DEPTH_MAX = 100
 _BRACES = re.compile(r"\{(\d+)(,(\d*))?\}")
+_GROUP_NAME = re.compile(r"<([A-Za-z_$][\w$]*)>")
 
 
 class PatternError(ValueError):
@@ -141,8 +142,8 @@ def _hex_class(digits: list[int]) -> str:
     """Hex digit values as one hex character or a class of them (``[0-7bef]``)."""
     if len(digits) == 1:
         return f"{digits[0]:x}"
-    runs = _norm((d, d) for d in digits)
-    return "[" + "".join(f"{a:x}" if a == b else f"{a:x}{'' if b == a + 1 else '-'}{b:x}"
+    runs = _norm((ord(f"{d:x}"),) * 2 for d in digits)  # as characters: 9 and a are apart
+    return "[" + "".join(chr(a) if a == b else f"{chr(a)}{'' if b == a + 1 else '-'}{chr(b)}"
                          for a, b in runs) + "]"
 
 
@@ -154,6 +155,9 @@ def encoded(r: Ranges, source: str) -> str:
     pattern's text for that item, for the message)."""
     if not r:
         raise PatternError(f"{source} matches no character")
+    if not _minus(r, _SURROGATES):
+        raise PatternError(f"{source} matches only UTF-16 surrogates, which no JSON text in "
+                           f"UTF-8 holds")
     alts = []
     safe = _minus(r, _UNSAFE + _SURROGATES)
     if safe:
@@ -188,6 +192,10 @@ class _Reader:
     def __init__(self, pattern: str) -> None:
         self.p, self.i, self.n, self.depth = pattern, 0, len(pattern), 0
         self.unsupported = False
+        # named groups make \k a back-reference (ECMA-262 22.2.1, [+NamedCaptureGroups])
+        self.named = "(?<" in pattern.replace("(?<=", "").replace("(?<!", "")
+        self.names: set[str] = set()
+        self.references: list[str] = []
 
     def fail(self, why: str) -> PatternError:
         return PatternError(f"{why} in {shown(self.p)}")
@@ -280,7 +288,10 @@ class _Reader:
                 look, self.i = True, self.i + 3
             elif p.startswith("?:", self.i):
                 self.i += 2
-            elif (m := re.compile(r"\?<[A-Za-z_$][\w$]*>").match(p, self.i)):
+            elif (m := _GROUP_NAME.match(p, self.i + 1)):
+                if m.group(1) in self.names:
+                    raise self.fail(f"duplicate group name {m.group(1)}")
+                self.names.add(m.group(1))
                 self.i = m.end()  # a named group: a group
             else:
                 raise self.fail(f"invalid group at {shown(p[self.i - 1:self.i + 7])}")
@@ -360,14 +371,26 @@ class _Reader:
             return None
         if e in "pP" and p.startswith("{", self.i):
             return None
-        if e == "k" and p.startswith("<", self.i):
+        if e == "k" and self.named:  # a named back-reference (only an identity escape
+            m = _GROUP_NAME.match(p, self.i)  # in a pattern without named groups)
+            if not m:
+                raise self.fail("invalid named reference (\\k without <name>)")
+            self.i = m.end()
+            self.references.append(m.group(1))
             return None
         if e in "xu":
             digits = 2 if e == "x" else 4
             h = p[self.i:self.i + digits]
             if len(h) == digits and all(ch in "0123456789abcdefABCDEF" for ch in h):
                 self.i += digits
-                return _one(int(h, 16))
+                c = int(h, 16)
+                low = p[self.i + 2:self.i + 6]
+                if 0xD800 <= c <= 0xDBFF and p.startswith("\\u", self.i) and len(low) == 4 \
+                        and all(ch in "0123456789abcdefABCDEF" for ch in low) \
+                        and 0xDC00 <= int(low, 16) <= 0xDFFF:  # a surrogate pair: one character
+                    self.i += 6
+                    c = 0x10000 + ((c - 0xD800) << 10) + (int(low, 16) - 0xDC00)
+                return _one(c)
             return _one(ord(e))  # Annex B: \x, \u without hex digits are the letter
         if e == "c":
             if self.i < self.n and p[self.i].isascii() and p[self.i].isalpha():
@@ -405,6 +428,9 @@ def rewrite_pattern(pattern: str) -> str | None:
         return None
     if reader.i < reader.n:  # a ")" with no "(" before it
         raise reader.fail(f"unmatched ) at {reader.i}")
+    for name in reader.references:
+        if name not in reader.names:
+            raise reader.fail(f"invalid named reference \\k<{name}> (no such group)")
     if reader.unsupported:
         return None
     parts = [ANY if not (start or body or end) else

@@ -393,3 +393,33 @@ def test_grammar_class_ranges_out_of_order_are_400(grammar, bad):
     "root ::= [a-a]", r'root ::= ["\\-z]'])
 def test_grammar_class_ranges_in_order_literals_and_comments_pass(grammar):
     check_grammar(grammar, "grammar")
+
+
+def test_enum_values_the_pattern_refuses_are_left_out_and_a_const_is_checked():
+    """The worker's schema reader takes const, then enum, before the string's pattern, so
+    ``enum: ["ab", "12"]`` beside ``^\\d{2}$`` could answer "ab" (a fresh tester's find)."""
+    schema = {"type": "string", "pattern": r"^\d{2}$", "enum": ["ab", "12", 3, "1\x7f"]}
+    check_schema(schema, "format", rewrite=True)
+    assert schema["enum"] == ["12", 3]  # a non-string is the type's to refuse, not the pattern's
+    for bad, says in (({"pattern": "^a", "enum": ["ba"]}, "format: no enum value matches"),
+                      ({"pattern": "^a", "const": "ba"}, 'format: const "ba" does not match')):
+        with pytest.raises(ApiError, match=says):
+            check_schema(bad, "format", rewrite=True)
+    tools = {"type": "string", "pattern": "^a", "enum": ["ba", "ab"]}
+    check_schema(tools, "tools[0]")
+    assert tools["enum"] == ["ba", "ab"]  # tools' schemas, which the model reads, stay
+
+
+def test_the_patterns_of_one_schema_are_counted_together():
+    """anyOf branches are live at once in the worker's grammar: 10 branches of a pattern each
+    within the limits took 485 ms per token, 80 froze the worker (a fresh tester's find)."""
+    branch = {"type": "string", "pattern": r"^(a*){60}a{100}$"}  # 60 places on its own
+    check_schema({"anyOf": [dict(branch) for _ in range(2)]}, "format", rewrite=True)
+    with pytest.raises(ApiError) as e:
+        check_schema({"anyOf": [dict(branch) for _ in range(3)]}, "format", rewrite=True)
+    assert e.value.message.startswith("format: its patterns together have about 180 grammar "
+                                      "positions and 180 places per character")
+    # properties count too, and patterns without such repetitions add nothing
+    check_schema({"type": "object", "properties": {
+        f"p{i}": {"type": "string", "pattern": r"^[a-z]{1,50}@\d{2}$"} for i in range(200)}},
+        "format", rewrite=True)

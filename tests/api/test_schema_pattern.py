@@ -53,6 +53,10 @@ CASES = [
     ("^[[:alpha:]]{2}$", r"^[\[:alph]\]{2}\Z", "[:alph]]"),  # ECMA-262: no POSIX classes
     ("^\u00e9\U0001F600+$", "^\u00e9\U0001F600+\\Z", "\u00e9\U0001F600"),
     (r"^[\u2028-\u2029 ]+$", r"^[\u2028\u2029 ]+\Z", "\u2028 "),
+    # a surrogate pair escape is its character (an empty string before; a fresh tester's find)
+    (r"^\ud83d\ude00{2}$", "^\U0001F600{2}\\Z", "\U0001F600"),
+    (r"^[\ud83d\ude00a]+$", "^[\U0001F600a]+\\Z", "\U0001F600a"),
+    (r"^a\k$", r"^ak\Z", "ak"),  # Annex B: without named groups, \k is the letter
 ]
 
 #: What random values are drawn from, besides a case's own characters: the quote, the
@@ -147,9 +151,46 @@ def test_constructs_the_converter_cannot_enforce_give_none(pattern):
     ("(a", "unterminated group"), ("a)", "unmatched ) at 1"), ("*a", "nothing to repeat"),
     ("a|+", "nothing to repeat"), ("(?:)*?{2}", "nothing to repeat"), ("^*", "nothing to repeat"),
     ("(?x)", "invalid group"),
+    (r"^\ud83d$", "matches only UTF-16 surrogates"), (r"[\ud800-\udfff]", "matches only UTF-16"),
+    ("(?<a>x)(?<a>y)", "duplicate group name a"),
+    (r"(?<n>a)\k<nope>", r"invalid named reference \k<nope> (no such group)"),
+    (r"(?<n>a)\k", "invalid named reference"),
 ])
 def test_ecma_syntax_errors_raise_naming_the_pattern(pattern, says):
     with pytest.raises(PatternError) as e:
         rewrite_pattern(pattern)
     assert says in str(e.value)
     assert str(e.value).endswith(json.dumps(pattern)[:40])
+
+
+def _sets():
+    """Character sets of classes and escapes a rewrite writes, as the reader builds them."""
+    from gateway.api import schema_pattern as sp
+    return [sp._DOT, sp._ALL, sp._SPACE, sp._complement(sp._SPACE), sp._complement(sp._WORD),
+            sp._norm(((0, 0x7F),)), sp._norm(((0x01, 0x07), (0x0B, 0x0B), (0x1E, 0x22))),
+            sp._norm(((0x09, 0x09), (0x0E, 0x0E), (0x19, 0x19), (0x5C, 0x5C), (0x7F, 0x7F))),
+            sp._norm(((0x21, 0x2F), (0x80, 0x80), (0x2028, 0x2028), (0x10FFFF, 0x10FFFF)))]
+
+
+@pytest.mark.parametrize("k", range(9))
+def test_one_encoded_character_is_exactly_a_member_of_its_set(k):
+    """Every two- and six-character escape (any printable ASCII after ``\\`` or ``\\u00``) and
+    every character up to U+3000 and past the BMP's end: the encoding of one character matches
+    exactly when it is JSON for a member of the set (``\\u001:`` once slipped through a hex
+    class written 0-f)."""
+    from gateway.api.schema_pattern import encoded
+    r = _sets()[k]
+    rx = re.compile(encoded(r, "x"))
+    members = {c for lo, hi in r for c in range(lo, min(hi, 0x3000) + 1)} | \
+        {c for lo, hi in r for c in range(max(lo, 0xFFF0), hi + 1)}
+    printable = [chr(c) for c in range(0x20, 0x7F)]
+    texts = ["\\" + a for a in printable] + ["\\u00" + a + b for a in printable for b in printable]
+    texts += [chr(c) for c in list(range(0x3001)) + list(range(0xFFF0, 0x10000))
+              + list(range(0x10FFF0, 0x110000)) if not 0xD800 <= c <= 0xDFFF]
+    for t in texts:
+        if rx.fullmatch(t):
+            v = json.loads('"' + t + '"')
+            assert len(v) == 1 and ord(v) in members, (t, v)
+    for c in members:
+        if not 0xD800 <= c <= 0xDFFF:
+            assert rx.fullmatch(encode(chr(c))), hex(c)
