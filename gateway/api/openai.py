@@ -57,10 +57,11 @@ async def _relay_completion(request: web.Request, path: str, required: str) -> w
     convert = None  # a completion's events turned into chat chunks (openai_structured)
     legacy = None  # /v1/completions: OpenAI's legacy logprobs and id (openai_legacy)
     # logprobs without alternatives: llama-server sends no logprobs at all for top_logprobs
-    # 0 (its n_probs 0), OpenAI sends each token's with top_logprobs [] (a fresh tester's
-    # find); one alternative is asked for and dropped from the answer
+    # 0 (its n_probs 0) and 20 alternatives when it is not given; OpenAI and Ollama's /v1
+    # send each token's with top_logprobs [] for both (fresh testers' finds). One alternative
+    # is asked for and dropped from the answer.
     no_tops = required == "messages" and body.get("logprobs") is True \
-        and body.get("top_logprobs") == 0
+        and body.get("top_logprobs") in (None, 0)
     if no_tops:
         body["top_logprobs"] = 1
     prefilled_format = required == "messages" and openai_structured.prefilled_format(body)

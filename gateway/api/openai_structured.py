@@ -111,7 +111,8 @@ def completion_body(body: dict, prompt: str, schema: dict | None) -> dict:
     rendered ``prompt`` and, unless ``schema`` is None, ``json_schema`` (llama-server turns an
     empty schema into "any object", server-schema.cpp ``json_schema``). The chat's
     ``logprobs: true`` is the completion's ``n_probs``: ``top_logprobs``, 20 when not given,
-    as llama-server's chat route sets it (server-common.cpp ``oaicompat_chat_params_parse``);
+    as llama-server's chat route sets it (server-common.cpp ``oaicompat_chat_params_parse``;
+    ``openai`` sets 1 for a chat without it, and drops the alternatives from the answer);
     an empty prompt generates nothing."""
     up = {k: v for k, v in body.items() if k not in _CHAT_ONLY + ("logprobs", "top_logprobs")}
     if body.get("logprobs") is True:

@@ -497,10 +497,15 @@ def test_continue_final_message_alone_continues(gw):
 
 
 def test_logprobs_with_top_logprobs_0_give_each_tokens_logprob_without_alternatives(client):
-    """OpenAI answers ``logprobs: true, top_logprobs: 0`` with each token's logprob and
-    ``top_logprobs: []``; llama-server (its ``n_probs`` 0) sent no logprobs at all, on the chat
-    route and under a ``response_format`` alike (a fresh tester's find)."""
+    """OpenAI answers ``logprobs: true, top_logprobs: 0`` (or none) with each token's logprob
+    and ``top_logprobs: []``; llama-server (its ``n_probs`` 0) sent no logprobs at all for 0
+    and 20 alternatives for none, on the chat route and under a ``response_format`` alike
+    (fresh testers' finds)."""
     for extra in ({}, {"response_format": {"type": "json_object"}}):
+        none = client.chat.completions.create(model="demo", max_tokens=4, seed=3, messages=MSG,
+                                              logprobs=True, **extra)
+        assert [e.top_logprobs for e in none.choices[0].logprobs.content] == \
+            [[]] * len(none.choices[0].logprobs.content) != [], extra
         kw = dict(model="demo", max_tokens=4, seed=3, messages=MSG, logprobs=True,
                   top_logprobs=0, **extra)
         entries = client.chat.completions.create(**kw).choices[0].logprobs.content
