@@ -122,7 +122,10 @@ def check_schema(schema, where: str, *, rewrite: bool = False) -> None:
                                     f"grammar takes (at most {REPETITIONS_MAX + (kind == 'array')})")
         if tset is None or tset & {"integer", "number"}:
             _check_bounds(node, path, integer=tset is not None and "integer" in tset)
-        if (tset is None or "string" in tset) and isinstance(node.get("pattern"), str):
+        if (tset is None or "string" in tset) and "pattern" in node:
+            if not isinstance(node["pattern"], str):  # JSON Schema: it MUST be a string (the
+                raise ApiError(400, f"{path}.pattern must be a string, got "  # worker named
+                                    f"{shown(node['pattern'])}")  # its own json_schema field)
             _check_pattern(node, path, rewrite, totals, where)
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/") and ref not in refs:

@@ -423,3 +423,10 @@ def test_the_patterns_of_one_schema_are_counted_together():
     check_schema({"type": "object", "properties": {
         f"p{i}": {"type": "string", "pattern": r"^[a-z]{1,50}@\d{2}$"} for i in range(200)}},
         "format", rewrite=True)
+
+
+@pytest.mark.parametrize("value", [None, 123, ["a"]])
+def test_a_pattern_that_is_not_a_string_is_400(value):
+    with pytest.raises(ApiError, match=f"format.properties.v.pattern must be a string, got "):
+        check_schema({"properties": {"v": {"type": "string", "pattern": value}}}, "format")
+    check_schema({"type": "integer", "pattern": 5}, "format")  # read only for strings
