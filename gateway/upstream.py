@@ -94,7 +94,8 @@ class UpstreamError(Exception):
 #: ``Failed to parse messages: [json.exception…]`` for a malformed message list and
 #: ``audio input is not supported - hint: …`` / ``video input …`` for a content part the model
 #: has no projector for (server-common.cpp). The gateway answers them 400.
-CLIENT_FAULT_500 = ("Failed to parse", "json.exception", "input is not supported")
+CLIENT_FAULT_500 = ("Failed to parse", "json.exception", "input is not supported",
+                    "Cannot use both")
 
 #: llama-server's text when the token it sampled is not one the request's grammar allows,
 #: which happens when the grammar allows no token that sampling kept: a grammar that admits

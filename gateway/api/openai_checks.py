@@ -84,6 +84,16 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
             raise ApiError(400, f"{k} must be {what}, got {_short(body[k])}")
     if body.get("response_format") is not None:
         _check_response_format(body["response_format"])
+    # two constraints of the whole answer: llama-server answered 500 "Cannot use both
+    # json_schema and grammar" on the chat route, kept the grammar on /v1/completions, and under
+    # a JSON response_format plus a grammar sent only "{" (a fresh tester's finds)
+    both = [k for k in ("response_format", "json_schema", "grammar")
+            if (k != "response_format" or isinstance(body.get(k), dict) and
+                body[k].get("type") in ("json_object", "json_schema"))
+            and body.get(k) not in (None, "")]
+    if len(both) > 1:
+        raise ApiError(400, f"{' and '.join(both)} cannot be used together: each constrains "
+                            f"the whole answer; send one")
     # llama-server's own fields, passed through: schemas and grammars that would freeze it
     if isinstance(body.get("json_schema"), dict):
         check_schema(body["json_schema"], "json_schema", rewrite=True)

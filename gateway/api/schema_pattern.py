@@ -196,6 +196,7 @@ class _Reader:
         self.named = "(?<" in pattern.replace("(?<=", "").replace("(?<!", "")
         self.names: set[str] = set()
         self.references: list[str] = []
+        self.groups = _capturing_groups(pattern)
 
     def fail(self, why: str) -> PatternError:
         return PatternError(f"{why} in {shown(self.p)}")
@@ -367,8 +368,15 @@ class _Reader:
             return _one(_CONTROL_ESCAPES[e])
         if e == "B" and in_class:  # Annex B: an identity escape there
             return _one(0x42)
-        if e in "bB" or (e in "123456789" and not in_class):
+        if e in "bB":
             return None
+        if e in "123456789" and not in_class:
+            m = re.compile(r"[0-9]+").match(p, i + 1)
+            if int(m.group(0)) <= self.groups:
+                return None  # a back-reference
+            if e in "89":  # Annex B: no such group, an identity escape
+                return _one(ord(e))
+            # Annex B: no such group, a legacy octal escape (below)
         if e in "pP" and p.startswith("{", self.i):
             return None
         if e == "k" and self.named:  # a named back-reference (only an identity escape
@@ -406,6 +414,25 @@ class _Reader:
             self.i = i + 1 + len(text)
             return _one(int(text, 8))
         return _one(ord(e))  # an identity escape: the character itself
+
+
+def _capturing_groups(p: str) -> int:
+    """How many capturing groups pattern ``p`` has (``(`` not before ``?``, and named ones),
+    outside escapes and classes: whether a digit escape is a back-reference (ECMA-262 Annex B)."""
+    n, i, in_class = 0, 0, False
+    while i < len(p):
+        c = p[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(" and (not p.startswith("?", i + 1) or _GROUP_NAME.match(p, i + 2)):
+            n += 1
+        i += 1
+    return n
 
 
 def _one(c: int) -> Ranges:

@@ -112,3 +112,4 @@ def test_prefilled_format_is_a_last_assistant_message_under_a_json_format():
     assert not prefilled_format({"messages": msgs, "response_format": {"type": "text"}})
     assert not prefilled_format({"messages": msgs[:1], "response_format": {"type": "json_object"}})
     assert not prefilled_format({"messages": "x", "response_format": {"type": "json_object"}})
+

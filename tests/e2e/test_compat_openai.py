@@ -480,6 +480,31 @@ def test_a_prefill_outside_the_response_format_is_a_400_that_says_so(gw):
         r.json()["choices"][0]["message"]["content"].startswith('{"v": "'), r.text
 
 
+def test_two_constraints_of_the_whole_answer_are_400(gw):
+    """llama-server answered 500 "Cannot use both json_schema and grammar" on the chat route,
+    kept the grammar on /v1/completions without a word, and under a JSON response_format plus
+    a grammar sent only "{" (a fresh tester's finds)."""
+    grammar = 'root ::= [a-z]{3}'
+    for path, body, says in (
+            ("/v1/chat/completions", {"messages": MSG, "json_schema": {"type": "string"},
+                                      "grammar": grammar}, "json_schema and grammar"),
+            ("/v1/chat/completions", {"messages": MSG, "grammar": grammar,
+                                      "response_format": {"type": "json_object"}},
+             "response_format and grammar"),
+            ("/v1/completions", {"prompt": "hi", "json_schema": {}, "grammar": grammar},
+             "json_schema and grammar")):
+        for stream in (False, True):
+            r = httpx.post(gw.url + path, timeout=60, json={
+                "model": "demo", "max_tokens": 4, "stream": stream, **body})
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["message"] == f"{says} cannot be used together: each " \
+                "constrains the whole answer; send one"
+    r = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "max_tokens": 4, "messages": MSG, "grammar": grammar,
+        "response_format": {"type": "text"}})  # text is no constraint
+    assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["content"]) == 3
+
+
 def test_continue_final_message_alone_continues(gw):
     """``continue_final_message: true`` without ``add_generation_prompt: false`` got
     llama-server's 400 "Cannot set both add_generation_prompt and continue_final_message to
