@@ -11,6 +11,7 @@ from gateway.api.errors import ApiError, shown as _short
 from gateway.api.grammar_checks import check_grammar, check_schema, check_tools
 from gateway.api.ollama_mapping import INT64_MAX, INT64_MIN, past_int64
 from gateway.api.openai_legacy import MAX_LOGPROBS
+from gateway.api.openai_structured import format_schema
 from gateway.api.server_fields import check_server_fields, lora_adapters
 
 
@@ -87,10 +88,9 @@ async def check_request(gw, entry, body: dict, required: str) -> tuple[bool, dic
     # two constraints of the whole answer: llama-server answered 500 "Cannot use both
     # json_schema and grammar" on the chat route, kept the grammar on /v1/completions, and under
     # a JSON response_format plus a grammar sent only "{" (a fresh tester's finds)
-    both = [k for k in ("response_format", "json_schema", "grammar")
-            if (k != "response_format" or isinstance(body.get(k), dict) and
-                body[k].get("type") in ("json_object", "json_schema"))
-            and body.get(k) not in (None, "")]
+    both = [k for k, given in (("response_format", format_schema(body.get("response_format"))),
+                               ("json_schema", body.get("json_schema")),
+                               ("grammar", body.get("grammar"))) if given not in (None, "")]
     if len(both) > 1:
         raise ApiError(400, f"{' and '.join(both)} cannot be used together: each constrains "
                             f"the whole answer; send one")

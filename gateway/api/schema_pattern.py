@@ -99,6 +99,8 @@ _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567
 _DEPTH_MAX = 100
 _BRACES = re.compile(r"\{(\d+)(,(\d*))?\}")
 _GROUP_NAME = re.compile(r"<([A-Za-z_$][\w$]*)>")
+_DIGITS = re.compile(r"[0-9]+")
+_OCTAL = re.compile(r"[0-7]{1,3}")
 
 
 class PatternError(ValueError):
@@ -371,7 +373,7 @@ class _Reader:
         if e in "bB":
             return None
         if e in "123456789" and not in_class:
-            m = re.compile(r"[0-9]+").match(p, i + 1)
+            m = _DIGITS.match(p, i + 1)
             if int(m.group(0)) <= self.groups:
                 return None  # a back-reference
             if e in "89":  # Annex B: no such group, an identity escape
@@ -407,7 +409,7 @@ class _Reader:
             self.i -= 1  # Annex B: "\c" not before a letter is a backslash
             return _one(0x5C)
         if e in "01234567":  # \0 or (in a class) a legacy octal escape
-            m = re.compile(r"[0-7]{1,3}").match(p, i + 1)
+            m = _OCTAL.match(p, i + 1)
             text = m.group(0)
             if len(text) == 3 and int(text, 8) > 0o377:
                 text = text[:2]
@@ -464,8 +466,3 @@ def rewrite_pattern(pattern: str) -> str | None:
              ("" if start else ANY) + body + ("" if end else ANY) for start, body, end in alts]
     return "^" + (parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")") + "$"
 
-
-def check_pattern(pattern: str) -> None:
-    """Raise PatternError when ``pattern`` is not valid ECMA-262 (or has a class that matches
-    no character); the pattern itself is left as it is."""
-    rewrite_pattern(pattern)
