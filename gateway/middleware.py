@@ -72,13 +72,17 @@ async def gateway_middleware(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        msg = {404: f"{request.method} {request.path}: not found",
-               405: f"{request.method} not allowed on {request.path}",
-               413: "request body too large"}.get(e.status, e.reason)
-        # a 405 names the methods the route takes (RFC 9110 §15.5.6: Allow is required)
-        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        resp = _error(request.path, e.status, msg, allow)
-        status = e.status
+        moved = await _without_trailing_slash(request) if e.status == 404 else None
+        if moved is not None:
+            resp = moved
+        else:
+            msg = {404: f"{request.method} {request.path}: not found",
+                   405: f"{request.method} not allowed on {request.path}",
+                   413: "request body too large"}.get(e.status, e.reason)
+            # a 405 names the methods the route takes (RFC 9110 §15.5.6: Allow is required)
+            allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+            resp = _error(request.path, e.status, msg, allow)
+        status = resp.status
     except asyncio.CancelledError:
         # The client disconnected (aiohttp's handler cancellation): counted and logged as 499.
         finished(request, gw, CLIENT_CLOSED)
@@ -98,6 +102,24 @@ async def gateway_middleware(request: web.Request, handler):
             gw.inflight.pop(id(request), None)
     finished(request, gw, status)  # X-Request-ID: gateway.app's on_response_prepare signal
     return resp
+
+
+async def _without_trailing_slash(request: web.Request) -> web.Response | None:
+    """The redirect Ollama answers a path that is a route but for its trailing slash
+    (``/api/tags/``), or None: gin's ``RedirectTrailingSlash`` (on in ``gin.Default()``) sends
+    301 for GET and 307 (method and body kept) for other methods, Location the path without
+    it, query kept. Only a path that then matches a route for this method is redirected."""
+    path = request.path
+    if len(path) < 2 or not path.endswith("/"):
+        return None
+    match = await request.app.router.resolve(
+        request.clone(rel_url=request.rel_url.with_path(path.rstrip("/") or "/")))
+    if match.http_exception is not None:
+        return None
+    query = request.rel_url.raw_query_string  # as sent, not re-encoded
+    location = (request.rel_url.raw_path.rstrip("/") or "/") + (f"?{query}" if query else "")
+    return web.Response(status=301 if request.method == "GET" else 307,
+                        headers={"Location": location})
 
 
 def finished(request: web.Request, gw, status: int) -> None:

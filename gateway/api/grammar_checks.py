@@ -38,7 +38,7 @@ import string
 import orjson
 
 from gateway.api.errors import ApiError, shown
-from gateway.api.schema_pattern import PatternError, rewrite_pattern
+from gateway.api.schema_pattern import PatternError, rewrite_pattern, unescaped_outside_classes
 
 #: Largest count llama.cpp's schema reader keeps (a C ``int``).
 COUNT_MAX = 2**31 - 1
@@ -259,30 +259,22 @@ def _regex_bad_repetition(pattern: str) -> str:
     :data:`REPETITIONS_MAX`. llama.cpp's json-schema-to-grammar copies regex repetitions into
     the grammar, reading each number with ``std::stoi`` up to the first ``}`` (so ``{5,2x}``
     and ``{5,+2}`` are ``{5,2}``)."""
-    i, n, in_class = 0, len(pattern), False
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            i += 2
+    skip_to = 0
+    for i, c in unescaped_outside_classes(pattern):
+        if c != "{" or i < skip_to:
             continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "{":
-            j = pattern.find("}", i)
-            if j < 0:
-                return ""
-            nums = pattern[i + 1:j].split(",")
-            lo = _stoi(nums[0]) if len(nums) <= 2 else None
-            if len(nums) == 2:
-                hi = _stoi(nums[1])
-                if lo is not None and hi is not None and hi < lo:
-                    return f"repetition {pattern[i:j + 1]} has its maximum below its minimum"
-            if lo is not None and lo > REPETITIONS_MAX:
-                return _too_many(pattern[i:j + 1])
-            i = j
-        i += 1
+        j = pattern.find("}", i)
+        if j < 0:
+            return ""
+        nums = pattern[i + 1:j].split(",")
+        lo = _stoi(nums[0]) if len(nums) <= 2 else None
+        if len(nums) == 2:
+            hi = _stoi(nums[1])
+            if lo is not None and hi is not None and hi < lo:
+                return f"repetition {pattern[i:j + 1]} has its maximum below its minimum"
+        if lo is not None and lo > REPETITIONS_MAX:
+            return _too_many(pattern[i:j + 1])
+        skip_to = j + 1
     return ""
 
 

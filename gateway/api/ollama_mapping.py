@@ -247,12 +247,16 @@ def _err_text(err) -> str:
 
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
              "h": 3600.0}
-_GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
+_GO_DURATION = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
+#: Go's time.Duration is int64 nanoseconds: ParseDuration refuses a longer one ("invalid
+#: duration"), as Ollama then does a keep_alive such as "9999999h".
+_GO_DURATION_MAX_S = (2**63 - 1) / 1e9
 
 
 def parse_go_duration(text: str) -> float:
-    """Go ``time.ParseDuration`` → seconds (``"5m"``, ``"1h30m"``, ``"-1s"``, ``"0"``).
-    Raises ValueError on anything else."""
+    """Go ``time.ParseDuration`` → seconds (``"5m"``, ``"1h30m"``, ``"-1s"``, ``"0"``, ``".5s"``,
+    ``"5.s"``). Raises ValueError on anything else, and past Go's int64 nanoseconds (~292
+    years)."""
     s = text.strip()
     sign = 1.0
     if s[:1] in "+-" and s:
@@ -267,7 +271,7 @@ def parse_go_duration(text: str) -> float:
             raise ValueError(text)
         total += float(m.group(1)) * _GO_UNITS[m.group(2)]
         pos = m.end()
-    if pos != len(s):
+    if pos != len(s) or total > _GO_DURATION_MAX_S:
         raise ValueError(text)
     return sign * total
 

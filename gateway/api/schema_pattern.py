@@ -418,11 +418,12 @@ class _Reader:
         return _one(ord(e))  # an identity escape: the character itself
 
 
-def _capturing_groups(p: str) -> int:
-    """How many capturing groups pattern ``p`` has (``(`` not before ``?``, and named ones),
-    outside escapes and classes: whether a digit escape is a back-reference (ECMA-262 Annex B)."""
-    n, i, in_class = 0, 0, False
-    while i < len(p):
+def unescaped_outside_classes(p: str):
+    """The characters of regex ``p`` outside escapes and character classes, as ``(index,
+    char)`` pairs in order: the ones that can open a group or a quantifier. A class ends at
+    its first unescaped ``]`` (ECMA-262: ``[]`` is an empty class)."""
+    i, n, in_class = 0, len(p), False
+    while i < n:
         c = p[i]
         if c == "\\":
             i += 2
@@ -431,10 +432,16 @@ def _capturing_groups(p: str) -> int:
             in_class = c != "]"
         elif c == "[":
             in_class = True
-        elif c == "(" and (not p.startswith("?", i + 1) or _GROUP_NAME.match(p, i + 2)):
-            n += 1
+        else:
+            yield i, c
         i += 1
-    return n
+
+
+def _capturing_groups(p: str) -> int:
+    """How many capturing groups pattern ``p`` has (``(`` not before ``?``, and named ones),
+    outside escapes and classes: whether a digit escape is a back-reference (ECMA-262 Annex B)."""
+    return sum(1 for i, c in unescaped_outside_classes(p)
+               if c == "(" and (not p.startswith("?", i + 1) or _GROUP_NAME.match(p, i + 2)))
 
 
 def _one(c: int) -> Ranges:

@@ -73,7 +73,8 @@ def test_wrong_option_type_is_400(opts, msg):
 
 
 @pytest.mark.parametrize("text,secs", [("5m", 300), ("1h30m", 5400), ("0", 0), ("-1s", -1),
-                                       ("1.5s", 1.5), ("300ms", 0.3), ("2h45m30s", 9930)])
+                                       ("1.5s", 1.5), ("300ms", 0.3), ("2h45m30s", 9930),
+                                       (".5s", 0.5), ("5.s", 5), ("2562047h", 2562047 * 3600)])
 def test_go_durations(text, secs):
     assert parse_go_duration(text) == pytest.approx(secs)
 
@@ -92,6 +93,12 @@ def test_keep_alive_values():
         parse_keep_alive("10")
     assert e.value.message == 'invalid keep_alive: time: missing unit in duration "10"'
     assert parse_keep_alive("0") == 0.0
+    # past Go's int64 nanoseconds (2562047h47m16.854775807s) ParseDuration refuses it, and so
+    # Ollama does; a negative one too (forever is any negative, not an overflow)
+    for long in ("9999999h", "2562048h", "-9999999h", "."):
+        with pytest.raises(ApiError) as e:
+            parse_keep_alive(long)
+        assert e.value.message == f'invalid keep_alive: time: invalid duration "{long}"'
 
 
 def test_think_values():

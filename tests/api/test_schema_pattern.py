@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from gateway.api.schema_pattern import ANY, PatternError, rewrite_pattern
+from gateway.api.schema_pattern import ANY, PatternError, rewrite_pattern, unescaped_outside_classes
 
 #: ECMA-262's \s and its complement, for the hand-written Python regexes (Python's own \s
 #: also takes \x1c-\x1f and \x85).
@@ -197,3 +197,17 @@ def test_one_encoded_character_is_exactly_a_member_of_its_set(k):
     for c in members:
         if not 0xD800 <= c <= 0xDFFF:
             assert rx.fullmatch(encode(chr(c))), hex(c)
+
+
+@pytest.mark.parametrize("pattern, outside", [
+    ("a(b)", "a(b)"),
+    (r"\((x)", "(x)"),            # an escaped parenthesis is a literal, not a group
+    (r"[(]{2}(", "{2}("),         # a class holds its "(" and ends at its first "]"
+    (r"[\]{]x{3}", "x{3}"),       # an escaped "]" does not end the class
+    (r"[]{1}", "{1}"),            # "[]" is an empty class (ECMA-262), not a class holding "]"
+    ("\\", ""),                   # a lone backslash at the end yields nothing
+])
+def test_the_scan_skips_escapes_and_classes(pattern, outside):
+    pairs = list(unescaped_outside_classes(pattern))
+    assert "".join(c for _, c in pairs) == outside
+    assert all(pattern[i] == c for i, c in pairs)

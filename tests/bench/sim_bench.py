@@ -2,7 +2,7 @@
 run by hand).
 
     python tests/bench/sim_bench.py [--duration 120] [--gpus 4,8] [--only NAME] [--no-sweep]
-        [--out docs/bench_sim.md] [--png docs/bench_sim.png]
+        [--out docs/bench_sim.md] [--png docs/bench_sim.png | --no-png]
 """
 
 import argparse
@@ -23,14 +23,23 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip the working-set sweep")
     ap.add_argument("--out", default="docs/bench_sim.md")
     ap.add_argument("--png", default="docs/bench_sim.png")
+    ap.add_argument("--no-png", action="store_true", help="write no plot (no matplotlib needed)")
     a = ap.parse_args()
+    if not a.no_png:
+        try:
+            import matplotlib  # noqa: F401  (the plot needs it: checked before minutes of runs)
+        except ImportError:
+            sys.stderr.write("sim_bench.py: the plot needs matplotlib: pip install "
+                             "'llama-gateway[bench]', or pass --no-png\n")
+            return 2
     t0 = time.time()
     gpus = tuple(int(x) for x in a.gpus.split(","))
     rows = run_all(gpus, a.duration, only=a.only)
     sweep = [] if a.no_sweep else run_sweep(gpus, a.duration)
     md = markdown(rows) + (markdown_sweep(sweep) if sweep else "")
     Path(a.out).write_text(md)
-    plot(rows, a.png, sweep)
+    if not a.no_png:
+        plot(rows, a.png, sweep)
     sys.stdout.write(md + f"\n({time.time() - t0:.0f} s wall)\n")
     return 0
 

@@ -221,6 +221,26 @@ def test_case21_and_24_error_shapes_root_version(gw):
     assert isinstance(httpx.get(gw.url + "/api/version").json()["version"], str)
 
 
+def test_a_route_with_a_trailing_slash_redirects_as_ollama_does(gw):
+    """gin's RedirectTrailingSlash (Ollama's router): 301 for GET, 307 for other methods (the
+    body is sent again), Location without the slash, query kept; a path that is no route, or
+    no route for that method, stays 404."""
+    r = httpx.get(gw.url + "/api/tags/?x=1&y=a%20b")
+    assert (r.status_code, r.headers["location"]) == (301, "/api/tags?x=1&y=a%20b")
+    r = httpx.get(gw.url + "/api/tags/", follow_redirects=True)
+    assert r.status_code == 200 and [m["name"] for m in r.json()["models"]] == ["demo:latest"]
+    r = httpx.post(gw.url + "/api/show/", json={"model": "demo"})
+    assert (r.status_code, r.headers["location"]) == (307, "/api/show")
+    r = httpx.post(gw.url + "/api/show/", json={"model": "demo"}, follow_redirects=True)
+    assert r.status_code == 200 and "model_info" in r.json()
+    r = subprocess.run(["curl", "-sSL", "-d", json.dumps({"model": "demo"}),
+                        gw.url + "/api/show/"], capture_output=True, check=True, timeout=30)
+    assert "model_info" in json.loads(r.stdout)  # curl -L re-sends the body on a 307
+    for method, path in (("GET", "/api/nope/"), ("POST", "/api/tags/")):
+        r = httpx.request(method, gw.url + path)
+        assert r.status_code == 404 and isinstance(r.json()["error"], str), (method, path)
+
+
 def test_header_values_not_utf8_shown_escaped_in_errors(gw):
     """Header values with Latin-1 bytes (not UTF-8) that an error echoes (``Expect``,
     ``X-Priority``, ``Content-Encoding``) show those bytes as ``\\xNN``, as Go's ``%q`` does, in
