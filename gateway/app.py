@@ -39,7 +39,7 @@ from gateway.upstream import Upstream
 from gateway.worker_stats import WorkerStatsView
 from workers.demo_model import demo_model_path, ensure_demo_model
 from workers.gpu import detect_gpus
-from workers.process import reap_stale_workers
+from workers.process import reap_stale_workers, remove_state_dir
 from workers.provision import ProvisionError, cache_root, ensure_llama_server
 
 log = get_logger("gateway.app")
@@ -313,7 +313,11 @@ class Gateway:
             log.warning("gateway.cuda_visible_devices_ignored",
                         value=os.environ["CUDA_VISIBLE_DEVICES"],
                         hint="choose GPUs per model with models[].gpus in the config")
-        plans = self.plans = plan_workers(cfg, detect_gpus())
+        try:
+            plans = self.plans = plan_workers(cfg, detect_gpus())
+        except ConfigError:  # no worker was started: leave no empty run directory behind
+            remove_state_dir(state_dir)
+            raise
         for model in models_without_workers(cfg, plans):
             log.warning("gateway.model_without_workers", model=model, reason=no_workers(model))
         self.fleet = Fleet(cfg, binary, models, self.admission, state_dir)

@@ -224,6 +224,28 @@ def test_serve_refuses_a_cache_where_no_run_directory_can_be_made(tmp_path):
     assert "Not a directory" in r.stderr and "worker.spawned" not in r.stderr
 
 
+def test_serve_with_gpus_it_cannot_find_leaves_no_run_directory(tmp_path):
+    """``gpus: [0]`` on a machine without an NVIDIA GPU: serve refuses in one line, and the
+    run directory it made for the workers' pid files (none started) is removed again; one
+    empty directory per refused start was left behind."""
+    from workers.demo_model import write_demo_model
+    from workers.gpu import detect_gpus
+    from workers.provision import ensure_llama_server
+    if detect_gpus():
+        pytest.skip("this machine has an NVIDIA GPU")
+    gguf = write_demo_model(tmp_path / "m.gguf")
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(f"listen: 127.0.0.1:0\nllama_server: {{binary: {ensure_llama_server()}}}\n"
+                   f"models:\n  - {{name: m, path: {gguf}, gpus: [0]}}\n")
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-m", "gateway", "serve", "-c", str(cfg)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "LLAMA_GATEWAY_CACHE": str(cache)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{cfg}: models[0].gpus: no NVIDIA GPU detected, got gpus: [0]" in r.stderr
+    assert (cache / "run").is_dir() and list((cache / "run").iterdir()) == []
+
+
 def test_simulate_png_without_matplotlib_is_refused_before_the_runs(tmp_path):
     """The plot needs the ``bench`` extra; without it the whole simulation ran and then ended
     in a traceback (a fresh tester's find)."""
