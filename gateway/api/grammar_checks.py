@@ -38,6 +38,7 @@ import string
 import orjson
 
 from gateway.api.errors import ApiError, shown
+from gateway.api.gbnf_syntax import grammar_error
 from gateway.api.schema_pattern import PatternError, rewrite_pattern, unescaped_outside_classes
 
 #: Largest count llama.cpp's schema reader keeps (a C ``int``).
@@ -685,8 +686,9 @@ def _grammar_quantifier(body: str, i: int) -> tuple[int, int | None, int]:
 def check_grammar(text, where: str) -> None:
     """Raise ApiError(400) when the GBNF ``text`` has a repetition ``{m,n}`` with ``n < m``
     (outside string literals, character classes and comments), or nested repetitions past
-    :data:`NESTED_POSITIONS_MAX` positions (:func:`grammar_nested_cost`). Other grammar errors are left
-    to the worker, which refuses them with its own 400."""
+    :data:`NESTED_POSITIONS_MAX` positions (:func:`grammar_nested_cost`), and with the reason
+    and place (``gbnf_syntax.grammar_error``) for a grammar the worker's parser refuses, which
+    the worker answers with a bare "failed to parse grammar"."""
     if not isinstance(text, str):
         return
     i, n = 0, len(text)
@@ -722,6 +724,9 @@ def check_grammar(text, where: str) -> None:
             i = j + 1
         else:
             i += 1
+    refused = grammar_error(text)
+    if refused is not None:  # the worker's answer would be a bare "failed to parse grammar"
+        raise ApiError(400, f"{where}: {refused}")
     _check_positions(grammar_costs(text), where)
 
 
