@@ -498,7 +498,8 @@ GATEWAY_FLAGS = frozenset({
 def _v_worker_args(v: object) -> list[str]:
     """``args`` / ``extra_args``: a list of strings (see ``_v_str_list``) without any of
     :data:`GATEWAY_FLAGS` (also as ``--flag=value``), with whole numbers after ``-np`` / ``-c``,
-    and without ``--flag=value`` items, which llama-server refuses."""
+    and without ``--flag=value`` items or a first item that is no flag, which llama-server
+    refuses."""
     out = _v_str_list(v)
     errs = [((i,), f"{a.split('=', 1)[0]} is set by the gateway on every worker (it picks the "
                    f"host, port, API key, model and alias, and reads /slots over plain HTTP "
@@ -518,6 +519,11 @@ def _v_worker_args(v: object) -> list[str]:
     for i, v in flag_values(out, SLOT_FLAGS + CTX_FLAGS):
         if i not in joined and (v is None or not re.fullmatch(r"-?\d+", v)):
             errs.append(((i,), f"{out[i].partition('=')[0]} takes a whole number, got {_got(v)}"))
+    # llama-server takes no positional argument: an item before any flag was its "invalid
+    # argument: 5" at every start, after check-config passed it (a fresh tester's find)
+    if out and not out[0].startswith("-"):
+        errs.append(((0,), f"llama-server takes flags (and their values after them), got "
+                           f"{out[0]!r} before any flag"))
     if errs:
         raise _Invalid(*errs)
     return out

@@ -106,17 +106,26 @@ class _Decoder:
         return bytes(self.out)
 
 
+#: Headers of a refusal that leaves the body unread (413, 408): the connection is closed after
+#: it (gateway.api.errors.error_response), as the rest of the body, or the next request a
+#: client sends on it, cannot be told apart; aiohttp otherwise read on for up to its 10 s
+#: lingering time and answered nothing sent meanwhile (a fresh tester's find).
+CLOSE = {"Connection": "close"}
+
+
 def _too_large(max_bytes: int, what: str = "") -> ApiError:
     """The 413 for a body found over ``max_bytes`` bytes while reading (``what``: e.g. the
     " (decompressed)" note)."""
-    return ApiError(413, f"request body too large, the limit is {max_bytes} bytes{what}")
+    return ApiError(413, f"request body too large, the limit is {max_bytes} bytes{what}",
+                    dict(CLOSE))
 
 
 def declared_too_large(request: web.Request, max_bytes: int) -> ApiError | None:
     """The 413 for a body whose ``Content-Length`` is over ``max_bytes`` bytes, else None."""
     length = request.content_length  # parsed from the header on every read
     if length is not None and length > max_bytes:
-        return ApiError(413, f"request body too large: {length} bytes, the limit is {max_bytes}")
+        return ApiError(413, f"request body too large: {length} bytes, the limit is {max_bytes}",
+                        dict(CLOSE))
     return None
 
 
@@ -135,6 +144,18 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     size: aiohttp's ``web.RequestPayloadError`` on the body reader, set at once also for
     bytes that come after the headers by gateway/body_errors.py).
     """
+    try:
+        return await _read_body(request, max_bytes, timeout_s)
+    except ApiError as e:
+        if e.headers is not None and e.headers.get("Connection") == "close":
+            # What is left of the body is not read (aiohttp's lingering read would wait up to
+            # 10 s for it); the connection closes once the answer is out.
+            request.content.feed_eof()
+            request.protocol.close()
+        raise
+
+
+async def _read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
     # Repeated header lines are one comma-separated list (RFC 9110 §5.3): "gzip" then "br" on
     # two lines is "gzip, br", which is refused like the same list on one line.
     codings = request.headers.getall("Content-Encoding", ())
@@ -165,7 +186,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
                     raise _too_large(max_bytes)
                 decoder.feed(chunk)
     except TimeoutError:
-        raise ApiError(408, f"request body not received within {timeout_s:g} s") from None
+        raise ApiError(408, f"request body not received within {timeout_s:g} s",
+                       dict(CLOSE)) from None
     except web.RequestPayloadError as e:  # broken chunked framing and the like
         raise ApiError(400, f"bad request body: {e}") from None
     return decoder.finish() if received else b""

@@ -79,6 +79,15 @@ def test_settings_that_cannot_apply_are_errors_not_ignored():
     assert str(e.value).splitlines() == [
         "<config>: llama_server.extra_args[0]: llama-server takes a flag and its value as two items: "
         "'--parallel', '3' (it refuses '--parallel=3' as an invalid argument)"]
+    # an item before any flag: llama-server takes no positional argument ("invalid argument:
+    # 5" at every start after check-config passed it; a fresh tester's find)
+    for args in ([5], ["model.gguf", "-np", "2"]):
+        with pytest.raises(ConfigError) as e:
+            parse_config({"models": [{"name": "e", "path": "builtin:demo", "cpu": 1,
+                                      "args": args}]})
+        assert str(e.value).splitlines() == [
+            f"<config>: models[0].args[0]: llama-server takes flags (and their values after "
+            f"them), got {str(args[0])!r} before any flag"]
     ok = parse_config({"models": [{"name": "c", "path": "builtin:demo", "cpu": 1,
                                    "args": ["-np", "2", "-c", "1000", "--override-kv",
                                             "tokenizer.ggml.add_bos_token=bool:false"]},

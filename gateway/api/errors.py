@@ -97,10 +97,15 @@ def is_openai_path(path: str) -> bool:
 
 
 def error_response(path: str, e: ApiError) -> web.Response:
-    """``e`` in the shape of the API that ``path`` belongs to (``/v1…`` OpenAI, else Ollama)."""
+    """``e`` in the shape of the API that ``path`` belongs to (``/v1…`` OpenAI, else Ollama).
+    With ``Connection: close`` in ``e.headers`` the connection is closed after it."""
     if is_openai_path(path):
-        return openai_error(e.status, e.message, e.headers, code=e.code, type=e.type)
-    return ollama_error(e.status, e.message, e.headers)
+        resp = openai_error(e.status, e.message, e.headers, code=e.code, type=e.type)
+    else:
+        resp = ollama_error(e.status, e.message, e.headers)
+    if e.headers and e.headers.get("Connection") == "close":
+        resp.force_close()
+    return resp
 
 
 def upstream_headers(status: int, retry_after_s: int) -> dict | None:

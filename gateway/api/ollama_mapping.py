@@ -103,9 +103,7 @@ def map_options(options: object, *, num_predict_default: int, num_predict_max: i
         elif k in _BOOL:
             if not isinstance(v, bool):
                 raise ApiError(400, f'option "{k}" must be of type boolean')
-        elif k == "stop":
-            if isinstance(v, str):
-                v = [v]
+        elif k == "stop":  # a plain string too is Ollama's 400 (api/types.go FromMap)
             if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
                 raise ApiError(400, 'option "stop" must be of type array of strings')
         else:

@@ -65,6 +65,7 @@ def test_unknown_options_ignored_and_reported():
     ({"top_k": "a"}, 'option "top_k" must be of type integer'),
     ({"temperature": True}, 'option "temperature" must be of type float'),
     ({"stop": [1]}, 'option "stop" must be of type array of strings'),
+    ({"stop": "a"}, 'option "stop" must be of type array of strings'),  # as Ollama: no string
 ])
 def test_wrong_option_type_is_400(opts, msg):
     with pytest.raises(ApiError) as e:
