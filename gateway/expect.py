@@ -46,6 +46,8 @@ def _refuse(request: web.Request, err: ApiError) -> web.Response:
     request["t0_ns"] = time.monotonic_ns()
     resp = error_response(request.path, err)  # X-Request-ID: the app's prepare signal
     resp.force_close()
+    request.content.feed_eof()  # no lingering read of the body (aiohttp waited up to 10 s)
+    request.protocol.close()
     finished(request, request.app.get("gw"), err.status)
     return resp
 

@@ -21,10 +21,19 @@ refused by the worker (an unknown ``<text>`` token), never the other way round.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
+import sys
 
 #: llama-grammar.cpp ``MAX_REPETITION_THRESHOLD``.
 REPETITION_THRESHOLD = 2000
+#: Most groups nested in one another: refused past it. The worker's parser recurses on its
+#: stack once per level; it loaded 10,000 and crashed (signal 11) at 50,000, each of the
+#: model's workers in turn as the request was retried (a fresh tester's find).
+NESTING_MAX = 5000
+#: Python frames the reading may use (a rule chain is followed one frame per reference).
+_FRAMES = 40_000
 
 _ESCAPES = {"x": 2, "u": 4, "U": 8}
 _SIMPLE = "trn\\\"[]-"
@@ -64,6 +73,9 @@ class _Parser:
         self.rules: dict[int, list[list[int | None]]] = {}
         self.owner: dict[int, str] = {}  # rule number -> the named rule it was written in
         self.mentioned: dict[int, int] = {}  # rule number -> where it was first referenced
+        self.bodies: dict[str, str] = {}  # rule name -> its alternatives' text (the last one)
+        self.last_id = -1  # the highest of llama.cpp's rule ids a rule was added under
+        self.depth = 0  # groups open
 
     # --- lexing (parse_space, parse_name, parse_int, parse_char) ---------------------------
 
@@ -167,7 +179,10 @@ class _Parser:
         i = self.space(j, False)
         if not self.s.startswith("::=", i):
             raise _Refused("expecting ::=", i)
-        i = self.alternates(self.space(i + 3, True), name, number, False)
+        start = self.space(i + 3, True)
+        i = self.alternates(start, name, number, False)
+        self.bodies[name] = self.s[start:i]
+        self.last_id = max(self.last_id, number)
         c = self.at(i)
         if c == "\r":
             i += 2 if self.at(i + 1) == "\n" else 1
@@ -207,6 +222,7 @@ class _Parser:
                 del seq[last:]
             optional = 1 if hi is None else hi - lo  # llama.cpp's n_opt rules S'
             if optional > 0:
+                self.last_id = max(self.last_id, len(self.names) + self.generated + optional - 1)
                 self.generated += optional  # llama.cpp numbers each of them
                 if hi is None:  # S' ::= S S' |
                     ref = self.new_rule(owner)
@@ -268,9 +284,16 @@ class _Parser:
             elif c == "(":
                 i = self.space(i + 1, True)
                 symbols_before = len(self.names) + self.generated
+                self.last_id = max(self.last_id, len(self.names) + self.generated)
                 self.generated += 1
                 sub = self.new_rule(owner)
+                self.depth += 1
+                if self.depth > NESTING_MAX:
+                    raise _Refused(f"groups nested more than {NESTING_MAX} deep (the worker's "
+                                   f"parser goes one level deeper on its stack for each: "
+                                   f"50,000 crashed it)", start)
                 i = self.alternates(i, owner, sub, True)
+                self.depth -= 1
                 before = max(1, len(self.names) + self.generated - symbols_before)
                 last = len(seq)
                 seq.append(sub)
@@ -322,8 +345,11 @@ class _Parser:
         defines, as the check at the end of llama.cpp's ``parse`` finds one."""
         referred = {item for alternatives in self.rules.values() for alt in alternatives
                     for item in alt if item is not None}
+        # also one a {0} took out again when a later rule has a higher id: llama.cpp's rule
+        # list then holds an empty entry for it ("Undefined rule")
         missing = [(self.mentioned[number], name) for name, number in self.names.items()
-                   if number in referred and number not in self.rules]
+                   if number not in self.rules and number in self.mentioned
+                   and (number in referred or number <= self.last_id)]
         if not missing:
             return None
         pos, name = min(missing)
@@ -365,18 +391,43 @@ class _Parser:
 
 
 def _where(text: str, pos: int) -> str:
-    line = text.count("\n", 0, pos) + 1
-    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
-    shown = text[pos:pos + 24].split("\n", 1)[0]
+    """Where ``pos`` is, lines ended by CR LF, LF or a lone CR as the parser ends rules."""
+    before = text[:pos]
+    line = before.count("\n") + before.count("\r") - before.count("\r\n") + 1
+    column = pos - max(before.rfind("\n"), before.rfind("\r"))
+    shown = re.split(r"[\r\n]", text[pos:pos + 24], maxsplit=1)[0]
     return f" at line {line}, column {column}" + (f" ({shown!r})" if shown else " (its end)")
 
 
-def grammar_error(text: str) -> str | None:
-    """Why the pinned llama-server would refuse the GBNF ``text``, in its parser's words with a
-    line and column (1-based), or None when it would load it. The reasons, in the order the
-    worker checks them: a syntax error, an ``Undefined rule identifier``, no rules at all,
-    no ``root`` rule, left recursion."""
+@functools.lru_cache(maxsize=8)
+def read_grammar(text: str) -> tuple[str | None, dict[str, str]]:
+    """(:func:`grammar_error` of ``text``, each rule's name -> the text of its alternatives as
+    the parser delimited them, for the grammar cost checks; the rules read before an error)."""
     p = _Parser(text)
+    try:
+        with deep_frames():
+            return _refusal(p), p.bodies
+    except RecursionError:
+        return TOO_DEEP, p.bodies
+
+
+#: The refusal of a grammar whose rules refer to one another past the frames of this reading.
+TOO_DEEP = "rules refer to one another too deep to follow (a chain of many thousands of rules)"
+
+
+@contextlib.contextmanager
+def deep_frames():
+    """Python's frame limit raised to :data:`_FRAMES` while a grammar is read (one frame per
+    rule followed; Python 3.11 keeps such frames off the C stack)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, _FRAMES))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _refusal(p: _Parser) -> str | None:
     try:
         p.parse()
         refused = p.undefined()
@@ -384,16 +435,21 @@ def grammar_error(text: str) -> str | None:
             raise refused
     except _Refused as e:
         return e.message + ("" if e.pos is None else _where(p.s, e.pos))
-    except RecursionError:  # groups nested past Python's stack: left to the worker
-        return None
     if not p.rules:
         return "the grammar has no rules"
     if "root" not in p.names:
         return "grammar does not contain a 'root' symbol"
-    try:
-        rule = p.left_recursive()
-    except RecursionError:
-        return None
+    rule = p.left_recursive()
     if rule is not None:
         return f"unsupported grammar, left recursion detected in rule '{rule}'"
     return None
+
+
+def grammar_error(text: str) -> str | None:
+    """Why the pinned llama-server would refuse the GBNF ``text``, in its parser's words with a
+    line and column (1-based), or None when it would load it. The reasons, in the order the
+    worker checks them: a syntax error, an ``Undefined rule identifier``, no rules at all,
+    no ``root`` rule, left recursion. Also refused here, where the worker crashes or this
+    reading cannot follow: groups nested past :data:`NESTING_MAX`, chains of rules past
+    Python's frames."""
+    return read_grammar(text)[0]

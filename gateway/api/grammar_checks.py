@@ -38,7 +38,7 @@ import string
 import orjson
 
 from gateway.api.errors import ApiError, shown
-from gateway.api.gbnf_syntax import grammar_error
+from gateway.api.gbnf_syntax import TOO_DEEP, deep_frames, grammar_error, read_grammar
 from gateway.api.schema_pattern import PatternError, rewrite_pattern, unescaped_outside_classes
 
 #: Largest count llama.cpp's schema reader keeps (a C ``int``).
@@ -594,9 +594,11 @@ def grammar_costs(text: str) -> tuple[tuple[int, str], tuple[int, str], int]:
     counts once). An empty literal ``""`` or an empty alternative matches nothing. ((cost,
     the repetition's text) of the worst one, or (0, ""); the same for the repeated-empty
     branching; the number of ``|`` in all rules)."""
-    heads = list(_RULE_HEAD.finditer(text))
-    bodies = {m.group(1): text[m.end():(heads[k + 1].start() if k + 1 < len(heads) else
-                                         len(text))] for k, m in enumerate(heads)}
+    refused, bodies = read_grammar(text)  # each rule as the worker's parser delimits it
+    if refused is not None:  # (only tests ask for the costs of a grammar the worker refuses)
+        heads = list(_RULE_HEAD.finditer(text))
+        bodies = {m.group(1): text[m.end():(heads[k + 1].start() if k + 1 < len(heads) else
+                                             len(text))] for k, m in enumerate(heads)}
     done: dict[str, tuple[int, bool, int, bool, int, str | None]] = {}
     worst: list[tuple[int, str]] = [(0, ""), (0, "")]
     alternatives = [0]
@@ -689,8 +691,9 @@ def check_grammar(text, where: str) -> None:
     :data:`NESTED_POSITIONS_MAX` positions (:func:`grammar_nested_cost`), and with the reason
     and place (``gbnf_syntax.grammar_error``) for a grammar the worker's parser refuses, which
     the worker answers with a bare "failed to parse grammar"."""
-    if not isinstance(text, str):
+    if not isinstance(text, str) or text == "":  # "": no grammar, as llama-server reads it
         return
+    text = text.split("\0", 1)[0]  # the worker's parser reads a C string: it ends at a NUL
     i, n = 0, len(text)
     while i < n:
         c = text[i]
@@ -727,7 +730,12 @@ def check_grammar(text, where: str) -> None:
     refused = grammar_error(text)
     if refused is not None:  # the worker's answer would be a bare "failed to parse grammar"
         raise ApiError(400, f"{where}: {refused}")
-    _check_positions(grammar_costs(text), where)
+    try:
+        with deep_frames():
+            costs = grammar_costs(text)
+    except RecursionError:
+        raise ApiError(400, f"{where}: {TOO_DEEP}") from None
+    _check_positions(costs, where)
 
 
 _GBNF_ESCAPED = {"t": 9, "r": 13, "n": 10}
@@ -753,16 +761,23 @@ def _gbnf_class_end(text: str, i: int, where: str) -> int:
     answered 500 "Unexpected empty grammar stack" when an answer reached it (a fresh
     tester's find)."""
     n = len(text)
-    i += 2 if text.startswith("[^", i) else 1
+    negated = text.startswith("[^", i)
+    i += 2 if negated else 1
+    reversed_range, member = None, False
     while i < n and text[i] != "]":
         at = i
         lo, i = _gbnf_char(text, i)
         if i + 1 < n and text[i] == "-" and text[i + 1] != "]":
             hi, i = _gbnf_char(text, i + 1)
             if lo is not None and hi is not None and hi < lo:
-                raise ApiError(400, f"{where}: the character class range {text[at:i]} is out "
-                                    f"of order (its end is below its start), so it matches "
-                                    f"no character")
+                reversed_range = reversed_range or text[at:i]
+                continue
+        member = True
+    # only a class that then matches nothing: [az-a] still matches "a", [^z-a] any character
+    if reversed_range and not member and not negated:
+        raise ApiError(400, f"{where}: the character class range {reversed_range} is out of "
+                            f"order (its end is below its start), so the class matches no "
+                            f"character")
     return i + 1
 
 

@@ -11,6 +11,7 @@ non-streaming share this code: non-streaming is the stream collected.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -271,7 +272,7 @@ def parse_go_duration(text: str) -> float:
         pos = m.end()
     if pos != len(s) or total > _GO_DURATION_MAX_S:
         raise ValueError(text)
-    return sign * total
+    return sign * int(total * 1e9) / 1e9  # whole nanoseconds, as Go's: "0.1ns" is 0
 
 
 def parse_keep_alive(value) -> float | None:
@@ -284,7 +285,8 @@ def parse_keep_alive(value) -> float | None:
     if isinstance(value, bool):
         raise ApiError(400, f"invalid keep_alive: unsupported type {type(value).__name__}")
     if isinstance(value, (int, float)):
-        return float(value)
+        # whole seconds: Ollama takes int(t) * time.Second, so 0.5 is 0 (unload)
+        return float(value) if value < 0 or math.isinf(value) else float(int(value))
     if isinstance(value, str):
         try:
             return parse_go_duration(value)

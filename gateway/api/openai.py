@@ -478,4 +478,4 @@ async def model(request: web.Request) -> web.Response:
 def routes() -> list[web.RouteDef]:
     return [web.post("/v1/chat/completions", chat_completions),
             web.post("/v1/completions", completions),
-            web.get("/v1/models", models), web.get("/v1/models/{model:.+}", model)]
+            web.get("/v1/models", models), web.get("/v1/models/{model:.*[^/]}", model)]

@@ -38,6 +38,9 @@ from gateway.api.gbnf_syntax import grammar_error
                                        "'root'"),
     ('root ::= x root\nx ::= ""', "unsupported grammar, left recursion detected in rule 'root'"),
     ('root ::= ("a" | "")*', "unsupported grammar, left recursion detected in rule 'root'"),
+    ('root ::= "a" x{0}\nb ::= "c"', "Undefined rule identifier 'x' at line 1, column 14 "
+                                      "('x{0}')"),
+    ('root ::= "a"\rx ::= "b" )', "expecting newline or end at line 2, column 11 (')')"),
 ])
 def test_refusals_in_the_parsers_words_with_a_place(grammar, says):
     assert grammar_error(grammar) == says
@@ -56,10 +59,36 @@ def test_refusals_in_the_parsers_words_with_a_place(grammar, says):
     'root ::= b root | "x"\nb ::= c\nc ::= ""',  # the same: "may be empty" is not transitive
     'root ::= "a"\0 garbage after a NUL, which ends the C string',
     'root ::= [-a\\]-]',
+    'root ::= [az-a] [^z-a]',           # reversed ranges: the class still matches something
+    'root ::= "a"\rx ::= "b"',          # a lone CR ends a rule
 ])
 def test_grammars_the_worker_loads_pass(grammar):
     assert grammar_error(grammar) is None
 
 
-def test_groups_nested_past_pythons_stack_are_left_to_the_worker():
+def test_deep_groups_and_long_rule_chains():
+    """50,000 nested groups crashed the worker (signal 11, each worker in turn as the request
+    was retried); it loads 10,000. Past NESTING_MAX they are refused; a chain of 1,500 rules,
+    which the worker loads, was a 500 RecursionError (both a later tester's finds)."""
     assert grammar_error("root ::= " + "(" * 5000 + '"a"' + ")" * 5000) is None
+    assert grammar_error("root ::= " + "(" * 50000 + '"a"' + ")" * 50000).startswith(
+        "groups nested more than 5000 deep")
+    chain = "root ::= r0\n" + "".join(f"r{k} ::= r{k + 1}\n" for k in range(1500))
+    assert grammar_error(chain + 'r1500 ::= "a"') is None
+    assert grammar_error(chain + 'r1500 ::= root "a"') == \
+        "unsupported grammar, left recursion detected in rule 'root'"
+
+
+def test_a_reference_taken_out_by_zero_repetitions_is_undefined_when_a_later_rule_exists():
+    """llama.cpp still numbers the name ``x{0}`` removes; when a rule with a higher number
+    exists its entry is empty and the worker refuses ("Undefined rule"); alone it loads
+    (a later tester's find: those passed to the worker's bare message)."""
+    assert grammar_error('root ::= "a" x{0}\nb ::= "c"').startswith(
+        "Undefined rule identifier 'x'")
+    assert grammar_error('root ::= "a" x{0} "b"?').startswith("Undefined rule identifier 'x'")
+    assert grammar_error('root ::= "a" x{0}') is None
+
+
+def test_lines_ended_by_a_lone_cr_are_counted():
+    assert grammar_error('root ::= "a"\rx ::= "b" )') == \
+        "expecting newline or end at line 2, column 11 (')')"

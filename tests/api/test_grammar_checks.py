@@ -383,15 +383,20 @@ def test_closed_classes_pass(pattern):
 
 @pytest.mark.parametrize("grammar, bad", [
     ("root ::= [z-a]", "z-a"), (r"root ::= [a-z]+ [\x7f-\x00]", r"\x7f-\x00"),
-    (r"root ::= [\u0100-\u00ff]", r"\u0100-\u00ff"), (r"root ::= [^\]-\[]", r"\]-\["),
+    (r"root ::= [\u0100-\u00ff]", r"\u0100-\u00ff"), ("root ::= [z-ab-a]", "z-a"),
 ])
 def test_grammar_class_ranges_out_of_order_are_400(grammar, bad):
     """The worker took ``[z-a]``, which matches no character, and answered 500 "Unexpected
-    empty grammar stack" when an answer reached it (a fresh tester's find)."""
+    empty grammar stack" when an answer reached it (a fresh tester's find). Only a class that
+    then matches nothing is refused: ``[az-a]`` matches "a", ``[^z-a]`` any character (the
+    worker answered both: a later tester's find)."""
     with pytest.raises(ApiError) as e:
         check_grammar(grammar, "grammar")
     assert e.value.message == (f"grammar: the character class range {bad} is out of order (its "
-                               f"end is below its start), so it matches no character")
+                               f"end is below its start), so the class matches no character")
+    last = grammar.rindex("[") + 1  # the class that matched nothing, negated or given "q"
+    for matching in (grammar[:last] + "^" + grammar[last:], grammar[:last] + "q" + grammar[last:]):
+        check_grammar(matching, "grammar")
 
 
 @pytest.mark.parametrize("grammar", [
@@ -445,3 +450,26 @@ def test_a_pattern_that_is_not_a_string_is_400(value):
     with pytest.raises(ApiError, match=f"format.properties.v.pattern must be a string, got "):
         check_schema({"properties": {"v": {"type": "string", "pattern": value}}}, "format")
     check_schema({"type": "integer", "pattern": 5}, "format")  # read only for strings
+
+
+@pytest.mark.parametrize("grammar", [
+    'root ::= x{0,400}\rx ::= "a" | ""',                # rules ended by a lone CR
+    'root ::= "x\ny ::= " x{0,400}\nx ::= "a" | ""',   # a raw newline inside a literal
+    'root ::= x{0,400}\nx ::= "a" | ""\u0000{',         # text after a NUL, which ends it
+])
+def test_rules_are_read_as_the_workers_parser_delimits_them(grammar):
+    """The cost checks found rules by a line-start regex: a lone CR (which ends a rule for
+    llama.cpp), a newline inside a literal or a NUL (the end of the worker's C string) took
+    them past the count, and one such request wedged both workers (a later tester's finds).
+    Rules now come from gbnf_syntax's reading."""
+    with pytest.raises(ApiError) as e:
+        check_grammar(grammar, "grammar")
+    assert "repeat a part that can be empty" in e.value.message, e.value.message
+
+
+def test_an_empty_grammar_is_none_and_text_after_a_nul_is_not_read():
+    check_grammar("", "grammar")  # llama-server reads "" as no grammar (it answered 200)
+    check_grammar('root ::= "a"\0 x{5,2}', "grammar")  # the worker loads it: it ends at \0
+    with pytest.raises(ApiError) as e:
+        check_grammar("root ::= foo\0{", "grammar")
+    assert e.value.message.startswith("grammar: Undefined rule identifier 'foo'")

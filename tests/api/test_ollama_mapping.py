@@ -94,6 +94,10 @@ def test_keep_alive_values():
         parse_keep_alive("10")
     assert e.value.message == 'invalid keep_alive: time: missing unit in duration "10"'
     assert parse_keep_alive("0") == 0.0
+    # whole seconds for numbers (Ollama: int(t) * time.Second) and whole nanoseconds for
+    # strings (Go's Duration), so 0.5 and "0.1ns" are 0: unload (a tester's find)
+    assert (parse_keep_alive(0.5), parse_keep_alive(1.7), parse_keep_alive(-0.5)) == (0, 1, -0.5)
+    assert parse_keep_alive("0.1ns") == 0 and parse_keep_alive("1.5ns") == 1e-9
     # past Go's int64 nanoseconds (2562047h47m16.854775807s) ParseDuration refuses it, and so
     # Ollama does; a negative one too (forever is any negative, not an overflow)
     for long in ("9999999h", "2562048h", "-9999999h", "."):

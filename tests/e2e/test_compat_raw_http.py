@@ -236,6 +236,10 @@ def test_a_route_with_a_trailing_slash_redirects_as_ollama_does(gw):
     r = subprocess.run(["curl", "-sSL", "-d", json.dumps({"model": "demo"}),
                         gw.url + "/api/show/"], capture_output=True, check=True, timeout=30)
     assert "model_info" in json.loads(r.stdout)  # curl -L re-sends the body on a 307
+    for path in ("/v1/models/", "/v1/models/demo/"):  # not read as the model "demo/"
+        r = httpx.get(gw.url + path)
+        assert (r.status_code, r.headers["location"]) == (301, path.rstrip("/")), r.text
+    assert httpx.get(gw.url + "/v1/models/demo/", follow_redirects=True).json()["id"] == "demo"
     for method, path in (("GET", "/api/nope/"), ("POST", "/api/tags/")):
         r = httpx.request(method, gw.url + path)
         assert r.status_code == 404 and isinstance(r.json()["error"], str), (method, path)
